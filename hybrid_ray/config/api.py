@@ -1,0 +1,95 @@
+"""`load_config`: a path, dict or Config in; a validated, supported Config out."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Mapping, Union
+
+from hybrid_ray.config.errors import ConfigError, NotSupportedError, config_error
+from hybrid_ray.config.loader import load_dataclass
+from hybrid_ray.config.schema import Config
+
+ConfigSource = Union[str, os.PathLike, Mapping[str, Any], Config]
+
+
+def load_config(source: ConfigSource) -> Config:
+    """Load and validate a config from a JSON file path, a dict, or return a Config as is.
+
+    Raises ConfigError for anything invalid and NotSupportedError (a ConfigError) for valid
+    settings the engine does not implement yet.
+    """
+    if isinstance(source, Config):
+        return source
+    if isinstance(source, (str, os.PathLike)):
+        raw: Any = read_json(Path(source))
+    elif isinstance(source, Mapping):
+        raw = source
+    else:
+        raise TypeError("load_config: expected a path, dict or Config; "
+                        f"got {type(source).__name__}")
+    cfg = load_dataclass(Config, raw, "")
+    _check_supported(cfg)
+    return cfg
+
+
+def read_json(path: Path) -> Any:
+    """Parse a JSON file; every failure is a one-line ConfigError that names the file."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: config file not found", str(path)) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: cannot read config file ({exc})", str(path)) from None
+    try:
+        return json.loads(text, object_pairs_hook=_reject_duplicates)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path}: invalid JSON at line {exc.lineno} column {exc.colno}: "
+                          f"{exc.msg}", str(path)) from None
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}", str(path)) from None
+
+
+def _reject_duplicates(pairs: list) -> dict:
+    # json keeps the last of two equal keys silently; in a config that is always a mistake.
+    out: dict = {}
+    for key, value in pairs:
+        if key in out:
+            raise ConfigError(f"duplicate key {key!r} in one JSON object")
+        out[key] = value
+    return out
+
+
+def _refuse(unsupported: bool, path: str, got: object, allowed: str) -> None:
+    if unsupported:
+        raise config_error(path, "not supported yet", got, allowed, cls=NotSupportedError)
+
+
+def _check_supported(cfg: Config) -> None:
+    """Refuse schema features the engine does not implement yet, first one found.
+
+    One statement per feature: the work that implements a feature deletes its line here.
+    """
+    zero, ac = cfg.zero_optimization, cfg.activation_checkpointing
+    _refuse(zero.stage == 3, "zero_optimization.stage", zero.stage,
+            "allowed: 0, 1, 2 (stage 3 is planned)")
+    _refuse(zero.offload_optimizer.device != "none", "zero_optimization.offload_optimizer.device",
+            zero.offload_optimizer.device, "allowed: 'none' (optimizer offload is planned)")
+    _refuse(zero.offload_param.device != "none", "zero_optimization.offload_param.device",
+            zero.offload_param.device, "allowed: 'none' (parameter offload is planned)")
+    _refuse(cfg.gradient_compression.type != "none", "gradient_compression.type",
+            cfg.gradient_compression.type, "allowed: 'none' (compression is planned)")
+    _refuse(ac.enabled, "activation_checkpointing.enabled", ac.enabled,
+            "allowed: false (activation checkpointing is planned)")
+    _refuse(ac.partition_activations, "activation_checkpointing.partition_activations",
+            ac.partition_activations, "allowed: false (activation checkpointing is planned)")
+    _refuse(ac.cpu_checkpointing, "activation_checkpointing.cpu_checkpointing",
+            ac.cpu_checkpointing, "allowed: false (activation checkpointing is planned)")
+    _refuse(ac.number_checkpoints is not None, "activation_checkpointing.number_checkpoints",
+            ac.number_checkpoints, "allowed: null (activation checkpointing is planned)")
+    _refuse(cfg.flops_profiler.enabled, "flops_profiler.enabled", cfg.flops_profiler.enabled,
+            "allowed: false (the flops profiler is planned)")
+    _refuse(cfg.tensor_model_parallel_size > 1, "tensor_model_parallel_size",
+            cfg.tensor_model_parallel_size, "allowed: 1 (tensor parallelism is planned)")
+    _refuse(cfg.pipeline_model_parallel_size > 1, "pipeline_model_parallel_size",
+            cfg.pipeline_model_parallel_size, "allowed: 1 (pipeline parallelism is planned)")

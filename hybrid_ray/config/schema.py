@@ -1,0 +1,146 @@
+"""The top-level `Config` and batch-size resolution.
+
+Batch sizes are resolved against the data-parallel size only when it is known (at engine start,
+and again after an elastic resize), so the same config file serves any world size.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from hybrid_ray.config.errors import Verbatim, config_error
+from hybrid_ray.config.loader import checked, flatten, to_plain
+from hybrid_ray.config.optim import OptimizerConfig, SchedulerConfig
+from hybrid_ray.config.sections import (ActivationCheckpointingConfig, BF16Config,
+                                        CompressionConfig, Dtype, FlopsProfilerConfig,
+                                        FP16Config, PrecisionConfig, ZeroConfig)
+
+_BATCH = "train_batch_size"
+_MICRO = "train_micro_batch_size_per_gpu"
+_GAS = "gradient_accumulation_steps"
+
+
+@dataclass(frozen=True)
+class BatchSizes:
+    """Batch sizes after resolving the config against a data-parallel size."""
+
+    train_batch_size: int
+    """Samples per optimizer step, over all data-parallel ranks."""
+    micro_batch_size: int
+    """Samples per forward/backward on one rank."""
+    gradient_accumulation_steps: int
+    """Micro-batches accumulated per optimizer step."""
+
+
+@dataclass(frozen=True)
+class Config:
+    """A whole training config: DeepSpeed's keys plus our `precision` section."""
+
+    train_batch_size: Optional[int] = checked(None, ge=1)
+    """Samples per optimizer step over all data-parallel ranks (see resolve_batch)."""
+    train_micro_batch_size_per_gpu: Optional[int] = checked(None, ge=1)
+    """Samples per forward/backward on one rank."""
+    gradient_accumulation_steps: Optional[int] = checked(None, ge=1)
+    """Micro-batches accumulated before each optimizer step."""
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    """Optimizer run on the fp32 master weights."""
+    scheduler: Optional[SchedulerConfig] = None
+    """Learning-rate schedule; None keeps the optimizer's lr constant."""
+    fp16: FP16Config = field(default_factory=FP16Config)
+    """fp16 mixed precision and its loss scaler."""
+    bf16: BF16Config = field(default_factory=BF16Config)
+    """bf16 mixed precision."""
+    gradient_clipping: float = checked(0.0, ge=0)
+    """Clip the global gradient norm to this value; 0 turns clipping off."""
+    communication_data_type: Optional[Dtype] = None
+    """dtype gradients are reduced in; None means fp32."""
+    zero_optimization: ZeroConfig = field(default_factory=ZeroConfig)
+    """ZeRO sharding of optimizer state, gradients and parameters."""
+    gradient_compression: CompressionConfig = field(default_factory=CompressionConfig)
+    """Compression of gradients before the data-parallel reduction."""
+    activation_checkpointing: ActivationCheckpointingConfig = field(
+        default_factory=ActivationCheckpointingConfig)
+    """Recomputing activations in backward."""
+    flops_profiler: FlopsProfilerConfig = field(default_factory=FlopsProfilerConfig)
+    """One-shot flops/latency profile."""
+    tensor_model_parallel_size: int = checked(1, ge=1)
+    """Tensor-parallel group size."""
+    pipeline_model_parallel_size: int = checked(1, ge=1)
+    """Pipeline-parallel stage count."""
+    steps_per_print: int = checked(10, ge=1)
+    """Log progress every this many optimizer steps."""
+    wall_clock_breakdown: bool = False
+    """Time forward, backward and step separately (adds device syncs)."""
+    seed: Optional[int] = checked(None, ge=0, le=2**32 - 1)
+    """Random seed for torch/numpy/python; None leaves them unseeded. numpy caps it at 2**32-1."""
+    dump_state: bool = False
+    """Print the engine state after initialisation."""
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    """Per-module dtypes and precision rules (ours, not DeepSpeed's)."""
+
+    def validate(self, path: str) -> None:
+        """Cross-section rules that no single section can check."""
+        if self.fp16.enabled and self.bf16.enabled:
+            raise config_error("fp16.enabled, bf16.enabled", "contradiction",
+                               Verbatim("both true"), "enable at most one")
+
+    @property
+    def base_dtype(self) -> str:
+        """The model's base compute dtype: 'fp16', 'bf16' or 'fp32'."""
+        if self.fp16.enabled:
+            return "fp16"
+        return "bf16" if self.bf16.enabled else "fp32"
+
+    def to_dict(self) -> dict:
+        """Plain nested JSON-able dict with every field; load_config(cfg.to_dict()) == cfg."""
+        return to_plain(self)
+
+    def flat_dict(self) -> dict[str, object]:
+        """{'zero_optimization.stage': 2, ...} with scalar values, for logging as run params."""
+        return flatten(self.to_dict())
+
+    def resolve_batch(self, dp_size: int) -> BatchSizes:
+        """Apply train_batch_size = micro * gradient_accumulation_steps * dp_size (DeepSpeed)."""
+        return resolve_batch(self.train_batch_size, self.train_micro_batch_size_per_gpu,
+                             self.gradient_accumulation_steps, dp_size)
+
+
+def resolve_batch(batch: Optional[int], micro: Optional[int], gas: Optional[int],
+                  dp_size: int) -> BatchSizes:
+    """Infer the missing batch sizes; any two given determine the third, as in DeepSpeed.
+
+    Only micro given -> gas 1; only train_batch_size given -> gas 1, micro = batch / dp_size.
+    """
+    if isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1:
+        raise config_error("dp_size", "out of range", dp_size, "allowed: an integer >= 1")
+    if batch is None and micro is None:
+        raise config_error(f"{_BATCH}, {_MICRO}", "missing", Verbatim("neither"),
+                           f"set at least one ({_GAS} alone cannot size the batch)")
+    if micro is None and gas is None:
+        gas = 1
+        micro = _divide(batch, dp_size, _BATCH, f"{batch} with dp_size {dp_size}", "dp_size")
+    elif micro is None:
+        micro = _divide(batch, gas * dp_size, f"{_BATCH}, {_GAS}",
+                        f"{batch}, {gas} with dp_size {dp_size}", f"{_GAS} * dp_size")
+    elif batch is None:
+        gas = 1 if gas is None else gas
+        batch = micro * gas * dp_size
+    elif gas is None:
+        gas = _divide(batch, micro * dp_size, f"{_BATCH}, {_MICRO}",
+                      f"{batch}, {micro} with dp_size {dp_size}", f"{_MICRO} * dp_size")
+    if batch != micro * gas * dp_size:
+        raise config_error(
+            f"{_BATCH}, {_MICRO}, {_GAS}", "contradiction",
+            Verbatim(f"{batch}, {micro}, {gas} with dp_size {dp_size} "
+                     f"({micro} * {gas} * {dp_size} = {micro * gas * dp_size})"),
+            f"need {_BATCH} = {_MICRO} * {_GAS} * dp_size")
+    return BatchSizes(batch, micro, gas)
+
+
+def _divide(total: int, divisor: int, keys: str, got: str, divisor_words: str) -> int:
+    """total / divisor when it is a whole number >= 1, else a ConfigError naming the keys."""
+    if total % divisor:
+        raise config_error(keys, "not divisible", Verbatim(got),
+                           f"need {_BATCH} divisible by {divisor_words} = {divisor}")
+    return total // divisor
+

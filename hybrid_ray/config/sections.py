@@ -1,0 +1,210 @@
+"""Config sections other than optimizer/scheduler: precision, ZeRO, compression, profiling.
+
+Key names and defaults follow DeepSpeed so its JSON configs load unchanged; `precision` is ours.
+Every field carries its rules in `checked(...)` metadata; cross-field rules live in `validate`.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+from hybrid_ray.config.errors import config_error, join_path
+from hybrid_ray.config.loader import checked
+
+Dtype = Literal["fp32", "fp16", "bf16"]
+
+
+def check_regex(pattern: str, path: str) -> None:
+    """Compile a user regex now, so a typo fails at load time rather than mid-model-wrap."""
+    try:
+        re.compile(pattern)
+    except re.error as exc:
+        raise config_error(path, "invalid regular expression", pattern,
+                           f"a Python regex ({exc})") from None
+
+
+@dataclass(frozen=True)
+class FP16Config:
+    """fp16 mixed precision: fp16 params/compute, fp32 master weights, loss scaling."""
+
+    enabled: bool = False
+    """Train in fp16 (mutually exclusive with bf16.enabled)."""
+    loss_scale: float = checked(0.0, ge=0)
+    """0 means dynamic loss scaling; > 0 is a fixed (static) scale."""
+    initial_scale_power: int = checked(16, ge=0, le=64)
+    """Dynamic scaling starts at 2**initial_scale_power."""
+    loss_scale_window: int = checked(1000, ge=1)
+    """Overflow-free steps before the dynamic scale is doubled."""
+    hysteresis: int = checked(2, ge=1)
+    """Overflows tolerated before the dynamic scale is halved."""
+    consecutive_hysteresis: bool = False
+    """Refill the hysteresis budget after every overflow-free step, not only on scale increases."""
+    min_loss_scale: float = checked(1.0, gt=0)
+    """Floor of the dynamic loss scale."""
+    auto_cast: bool = False
+    """Cast floating inputs of forward to fp16 (DeepSpeed's fp16.auto_cast)."""
+
+
+@dataclass(frozen=True)
+class BF16Config:
+    """bf16 mixed precision: bf16 params/compute, fp32 master weights, no loss scaling."""
+
+    enabled: bool = False
+    """Train in bf16 (mutually exclusive with fp16.enabled)."""
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """Where optimizer state or parameters live between uses."""
+
+    device: Literal["none", "cpu", "nvme"] = "none"
+    """'none' keeps them on the accelerator."""
+    pin_memory: bool = False
+    """Use pinned host memory for faster, asynchronous copies."""
+    buffer_count: int = checked(4, ge=1)
+    """Number of staging buffers for offloaded tensors."""
+    fast_init: bool = False
+    """Initialise offloaded optimizer state in bulk (nvme)."""
+    delayed_param_update: bool = False
+    """Overlap the CPU optimizer step with the next forward (updates land one step late)."""
+
+
+@dataclass(frozen=True)
+class ZeroConfig:
+    """ZeRO sharding: 0 off, 1 optimizer state, 2 + gradients, 3 + parameters."""
+
+    stage: int = checked(0, choices=(0, 1, 2, 3))
+    """ZeRO stage."""
+    allgather_partitions: bool = True
+    """Rebuild updated parameters with one all-gather (else a series of broadcasts)."""
+    allgather_bucket_size: int = checked(500_000_000, ge=1)
+    """Elements all-gathered at a time."""
+    overlap_comm: bool = True
+    """Overlap gradient reduction with backward."""
+    reduce_scatter: bool = True
+    """Reduce gradients with reduce-scatter (else all-reduce)."""
+    reduce_bucket_size: int = checked(50_000_000, ge=1)
+    """Elements reduced at a time."""
+    contiguous_gradients: bool = True
+    """Copy gradients into one contiguous buffer as they are produced."""
+    offload_optimizer: OffloadConfig = checked(default_factory=OffloadConfig, null_is_default=True)
+    """Optimizer-state offload (stage >= 1); null means the default (no offload)."""
+    offload_param: OffloadConfig = checked(default_factory=OffloadConfig, null_is_default=True)
+    """Parameter offload (stage 3); null means the default (no offload)."""
+    stage3_prefetch_bucket_size: int = checked(50_000_000, ge=0)
+    """Stage 3: elements of upcoming parameters to prefetch."""
+    stage3_param_persistence_threshold: int = checked(100_000, ge=0)
+    """Stage 3: parameters smaller than this stay gathered."""
+    stage3_max_live_parameters: int = checked(1_000_000_000, ge=0)
+    """Stage 3: cap on gathered parameter elements per GPU."""
+    stage3_max_reuse_distance: int = checked(1_000_000_000, ge=0)
+    """Stage 3: keep a parameter gathered if it is reused within this many elements."""
+    stage3_gather_16bit_weights_on_model_save: bool = False
+    """Stage 3: gather full 16-bit weights when saving the model."""
+    sub_group_size: int = checked(1_000_000_000, ge=1)
+    """Elements per optimizer-step sub-group (bounds temporary memory)."""
+    round_robin_gradients: bool = False
+    """Stage 1/2: spread gradient copies across ranks round-robin."""
+
+
+@dataclass(frozen=True)
+class CompressionConfig:
+    """Gradient compression applied before the data-parallel reduction."""
+
+    type: Literal["none", "topk", "powersgd", "fp16", "bf16"] = "none"
+    """Compression method; fp16/bf16 reduce in that dtype."""
+    topk_ratio: float = checked(0.01, gt=0, le=1)
+    """topk: fraction of gradient elements sent."""
+    rank: int = checked(1, ge=1)
+    """powersgd: rank of the low-rank approximation."""
+    warmup_steps: int = checked(0, ge=0)
+    """Uncompressed steps before compression starts."""
+    error_feedback: bool = True
+    """Carry the compression error into the next step's gradient."""
+
+
+@dataclass(frozen=True)
+class ActivationCheckpointingConfig:
+    """Recompute activations in backward instead of storing them."""
+
+    enabled: bool = False
+    """Turn activation checkpointing on."""
+    module_pattern: Optional[str] = None
+    """Regex on module qualified names selecting the checkpointed blocks."""
+    number_checkpoints: Optional[int] = checked(None, ge=1)
+    """Number of checkpointed segments (None: every matching module)."""
+    cpu_checkpointing: bool = False
+    """Move checkpointed activations to CPU memory."""
+    partition_activations: bool = False
+    """Shard checkpointed activations across model-parallel ranks."""
+    contiguous_memory_optimization: bool = False
+    """Copy checkpoints into one contiguous buffer to limit fragmentation."""
+    synchronize_checkpoint_boundary: bool = False
+    """Synchronise the device at each checkpoint boundary (debugging)."""
+    profile: bool = False
+    """Time the checkpoint forward/recompute."""
+
+    def validate(self, path: str) -> None:
+        """The module pattern must compile."""
+        if self.module_pattern is not None:
+            check_regex(self.module_pattern, f"{path}.module_pattern")
+
+
+@dataclass(frozen=True)
+class FlopsProfilerConfig:
+    """One-shot flops/latency profile of a training step."""
+
+    enabled: bool = False
+    """Turn the profiler on."""
+    profile_step: int = checked(1, ge=1)
+    """Optimizer step to profile."""
+    module_depth: int = checked(-1, ge=-1)
+    """Depth of the per-module report; -1 means all levels."""
+    top_modules: int = checked(1, ge=1)
+    """Number of top modules listed in the aggregate report."""
+    detailed: bool = True
+    """Print the per-module breakdown."""
+    output_file: Optional[str] = None
+    """Write the report here instead of stdout."""
+
+
+@dataclass(frozen=True)
+class PrecisionStep:
+    """One entry of a precision schedule."""
+
+    step: int = checked(ge=1)
+    """Optimizer step from which `dtype` applies."""
+    dtype: Dtype = checked()
+    """The model's base compute dtype from that step on."""
+
+
+@dataclass(frozen=True)
+class PrecisionConfig:
+    """Per-module dtypes and precision rules on top of fp16/bf16 (our section, not DeepSpeed's)."""
+
+    modules: dict[str, Dtype] = field(default_factory=dict)
+    """Regex on module qualified name -> dtype that module stores params and computes in."""
+    norms_fp32: bool = True
+    """Normalisation layers keep fp32 params and compute."""
+    fp32_outputs: bool = True
+    """Floating outputs of engine forward are cast to fp32, so the loss is computed in fp32."""
+    schedule: tuple[PrecisionStep, ...] = ()
+    """Base compute dtype changes at these optimizer steps (strictly ascending)."""
+    max_consecutive_skipped_steps: int = checked(10, ge=1)
+    """bf16/fp32 runs skip steps with inf/NaN gradients and stop after this many in a row."""
+
+    def validate(self, path: str) -> None:
+        """Module regexes compile; schedule steps strictly ascend."""
+        for pattern in self.modules:
+            check_regex(pattern, join_path(f"{path}.modules", pattern))
+        for i in range(1, len(self.schedule)):
+            prev, cur = self.schedule[i - 1].step, self.schedule[i].step
+            if cur <= prev:
+                raise config_error(f"{path}.schedule[{i}].step", "not ascending",
+                                   cur, f"must be > {prev} (the previous entry's step)")
+
+    @property
+    def uses_fp16(self) -> bool:
+        """True if any module or schedule entry computes in fp16 (loss scaling then applies)."""
+        return "fp16" in self.modules.values() or any(s.dtype == "fp16" for s in self.schedule)

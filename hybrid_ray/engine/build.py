@@ -1,0 +1,106 @@
+"""Assembly steps of `initialize`: parameter groups, flat spaces, the torch optimizer.
+
+Each function does one thing and returns plain objects, so the Engine's constructor reads as a
+list of steps.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .flat import FlatSpace
+from .topology import Topology
+
+ParamGroup = Tuple[List[nn.Parameter], Dict[str, Any]]  # parameters, per-group hyperparameters
+
+OPTIMIZERS = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam, "SGD": torch.optim.SGD}
+
+
+def param_groups(model: nn.Module, model_parameters: Optional[Iterable] = None,
+                 optimizer: Optional[torch.optim.Optimizer] = None) -> List[ParamGroup]:
+    """Trainable parameters split into optimizer groups, deduplicated (tied weights once).
+
+    Source, first that is given: the client optimizer's groups, `model_parameters` (parameters
+    or DeepSpeed/torch-style group dicts), else all of the model's trainable parameters.
+    """
+    if optimizer is not None:
+        raw = [(list(g["params"]), {k: v for k, v in g.items() if k != "params"})
+               for g in optimizer.param_groups]
+    elif model_parameters is not None:
+        items = list(model_parameters)
+        if items and isinstance(items[0], dict):
+            raw = [(list(g["params"]), {k: v for k, v in g.items() if k != "params"}) for g in items]
+        else:
+            raw = [(items, {})]
+    else:
+        raw = [(list(model.parameters()), {})]
+    seen, groups = set(), []
+    for params, hyper in raw:
+        unique = [p for p in params if p.requires_grad and id(p) not in seen and not seen.add(id(p))]
+        groups.append((unique, hyper))
+    _check_covered(model, seen)
+    return groups
+
+
+def _check_covered(model: nn.Module, seen: set) -> None:
+    missing = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in seen]
+    if missing:
+        raise ValueError(f"model_parameters/optimizer: {len(missing)} trainable parameters are in no "
+                         f"optimizer group (first: {missing[0]}); pass them or set requires_grad=False")
+
+
+def build_spaces(groups: Sequence[ParamGroup], device: torch.device, bucket_numel: int,
+                 num_shards: int, rank: int) -> List[FlatSpace]:
+    """One FlatSpace per (group, storage dtype); parameters in reverse order (backward order)."""
+    spaces = []
+    for gi, (params, _) in enumerate(groups):
+        by_dtype: Dict[torch.dtype, List[nn.Parameter]] = {}
+        for p in params:
+            by_dtype.setdefault(p.dtype, []).append(p)
+        for dtype, ps in by_dtype.items():
+            spaces.append(FlatSpace(list(reversed(ps)), dtype, device, bucket_numel, num_shards, rank, gi))
+    return spaces
+
+
+def broadcast_spaces(spaces: Sequence[FlatSpace], topo: Topology) -> None:
+    """Start every rank from rank 0's weights (one collective per space), as DDP does."""
+    if topo.world_size > 1:
+        for s in spaces:
+            dist.broadcast(s.flat, src=0, group=topo.group)
+
+
+def build_optimizer(opt_type: str, params: Dict[str, Any], master_groups: List[List[nn.Parameter]],
+                    hypers: Sequence[Dict[str, Any]], device: torch.device) -> torch.optim.Optimizer:
+    """The config's optimizer over the fp32 masters, with the fastest implementation.
+
+    Each master is one flat tensor, so even the foreach path is a handful of kernels; on CUDA
+    the fused kernel does the whole update in one launch per dtype/device.
+    """
+    cls = OPTIMIZERS[opt_type]
+    kwargs = dict(params)
+    if "betas" in kwargs:
+        kwargs["betas"] = tuple(kwargs["betas"])
+    kwargs.update(_implementation(device))
+    groups = [dict(hyper, params=ms) for ms, hyper in zip(master_groups, hypers) if ms]
+    return cls(groups, **kwargs)
+
+
+def _implementation(device: torch.device) -> Dict[str, bool]:
+    return {"fused": True} if device.type == "cuda" else {"foreach": True}
+
+
+def rebind_client_optimizer(optimizer: torch.optim.Optimizer,
+                            master_groups: List[List[nn.Parameter]]) -> torch.optim.Optimizer:
+    """Point a client optimizer's groups at the fp32 masters, in place.
+
+    In place, so that an LR scheduler the client built on this optimizer keeps working.
+    """
+    if len(optimizer.param_groups) != len(master_groups):
+        raise ValueError("optimizer: param_groups changed while building the engine")
+    for group, masters in zip(optimizer.param_groups, master_groups):
+        group["params"] = list(masters)
+    optimizer.state.clear()
+    return optimizer

@@ -1,0 +1,209 @@
+"""The Engine facade: forward, backward, step, with accumulation, clipping and loss scaling.
+
+A training loop reads like DeepSpeed's:
+
+    engine, optimizer, loader, scheduler = hybrid_ray.initialize(model, config=cfg)
+    for x, y in loader:
+        loss = criterion(engine(x), y)
+        engine.backward(loss)
+        engine.step()          # acts only at the accumulation boundary
+
+The parts live elsewhere: precision.py decides dtypes per module, flat.py lays parameters out in
+flat buckets, reducer.py moves gradients into fp32 master shards, zero.py steps the optimizer and
+gathers parameters back, loss_scaler.py scales fp16 losses.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, List, Optional
+
+import torch
+import torch.nn as nn
+
+from ..config import Config, load_config
+from . import build
+from .loss_scaler import LossScaler, build_loss_scaler
+from .precision import HALF, PrecisionPolicy, autocast_region, cast_floating, dtype_of
+from .reducer import GradReducer
+from .schedulers import build_scheduler
+from .topology import Topology
+from .zero import StepOutcome, ZeroOptimizer
+
+log = logging.getLogger("hybrid_ray")
+
+
+class NonFiniteGradientError(RuntimeError):
+    """Too many consecutive steps had inf/NaN gradients in a run without dynamic loss scaling."""
+
+
+class Engine:
+    """Wraps a model for mixed-precision, ZeRO-sharded data-parallel training."""
+
+    def __init__(self, model: nn.Module, config: Any, model_parameters: Any = None,
+                 optimizer: Optional[torch.optim.Optimizer] = None, lr_scheduler: Any = None,
+                 loss_scaler: Any = None, topology: Optional[Topology] = None):
+        self.config: Config = load_config(config)
+        self.topology = topology or Topology.from_environment()
+        self.batch = self.config.resolve_batch(self.topology.world_size)
+        self.module = model.to(self.topology.device)
+        self.global_steps = 0
+        self.skipped_steps = 0
+        self.micro_steps = 0
+        self.global_samples = 0
+        self._consecutive_skips = 0
+        self._last: Optional[StepOutcome] = None
+        groups = build.param_groups(model, model_parameters, optimizer)
+        self._build_precision(self.config.base_dtype)
+        self._build_zero(groups)
+        self.optimizer = self._build_optimizer(groups, optimizer)
+        self.lr_scheduler = lr_scheduler if lr_scheduler is not None else \
+            build_scheduler(self.config.scheduler, self.optimizer)
+        self.loss_scaler: LossScaler = build_loss_scaler(
+            self.config.fp16, enabled=self._uses_fp16(), user_scaler=loss_scaler)
+
+    # ---- construction -----------------------------------------------------------------
+    def _build_precision(self, base: str) -> None:
+        pc = self.config.precision
+        self.compute_dtype = dtype_of(base)
+        policy = PrecisionPolicy(self.compute_dtype, pc.modules, pc.norms_fp32)
+        self.precision_plan = policy.apply(self.module, self.topology.device.type)
+
+    def _build_zero(self, groups: List[build.ParamGroup]) -> None:
+        zc, topo = self.config.zero_optimization, self.topology
+        num_shards = topo.world_size if zc.stage >= 1 else 1
+        self.spaces = build.build_spaces(groups, topo.device, zc.reduce_bucket_size, num_shards, topo.rank)
+        build.broadcast_spaces(self.spaces, topo)
+        reduce_dtype = dtype_of(self.config.communication_data_type or "fp32")
+        self.reducer = GradReducer(self.spaces, topo, zc.stage, reduce_dtype, zc.overlap_comm, zc.reduce_scatter)
+        self.zero = ZeroOptimizer(self.spaces, self.reducer, topo)
+
+    def _build_optimizer(self, groups: List[build.ParamGroup],
+                         client: Optional[torch.optim.Optimizer]) -> torch.optim.Optimizer:
+        masters = self.zero.master_groups()
+        masters += [[] for _ in range(len(groups) - len(masters))]
+        if client is not None:
+            opt = build.rebind_client_optimizer(client, masters)
+        else:
+            oc = self.config.optimizer
+            opt = build.build_optimizer(oc.type, oc.params, masters, [h for _, h in groups],
+                                        self.topology.device)
+        self.zero.optimizer = opt
+        return opt
+
+    def _uses_fp16(self) -> bool:
+        pc = self.config.precision
+        dtypes = [self.config.base_dtype] + list(pc.modules.values()) + [e.dtype for e in pc.schedule]
+        return "fp16" in dtypes
+
+    # ---- the training loop --------------------------------------------------------------
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.forward(*args, **kwargs)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the model under the base precision; floating outputs come back as fp32."""
+        with autocast_region(self.topology.device.type, self.compute_dtype):
+            out = self.module(*args, **kwargs)
+        if self.config.precision.fp32_outputs and self.compute_dtype in HALF:
+            out = cast_floating(out, torch.float32)
+        return out
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return (self.micro_steps + 1) % self.batch.gradient_accumulation_steps == 0
+
+    def backward(self, loss: torch.Tensor) -> torch.Tensor:
+        """Scale the loss (loss scale / accumulation steps), backprop, reduce gradients."""
+        gas = self.batch.gradient_accumulation_steps
+        if self.micro_steps % gas == 0:
+            self.reducer.start_window()
+        self.reducer.before_backward(self.is_gradient_accumulation_boundary())
+        scaled = loss.float() * (self.loss_scaler.loss_scale / gas)
+        scaled.backward()
+        self.reducer.after_backward()
+        return loss
+
+    def step(self) -> None:
+        """Apply the optimizer at the accumulation boundary; a no-op on other micro-steps."""
+        boundary = self.is_gradient_accumulation_boundary()
+        self.micro_steps += 1
+        self.global_samples += self.batch.micro_batch_size * self.topology.world_size
+        if not boundary:
+            return
+        self.reducer.finish_window()
+        self._last = self.zero.step(self.loss_scaler.loss_scale, self.config.gradient_clipping)
+        self._after_step(self._last)
+        self.global_steps += 1
+
+    def _after_step(self, outcome: StepOutcome) -> None:
+        old_scale = self.loss_scaler.loss_scale
+        self.loss_scaler.update(outcome.overflow)
+        if not outcome.overflow:
+            self._consecutive_skips = 0
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+            return
+        self.skipped_steps += 1
+        self._consecutive_skips += 1
+        if self.loss_scaler.dynamic:
+            self._log(f"step {self.global_steps}: gradient overflow, step skipped; "
+                      f"loss scale {old_scale:g} -> {self.loss_scaler.loss_scale:g}")
+            return
+        limit = self.config.precision.max_consecutive_skipped_steps
+        self._log(f"step {self.global_steps}: non-finite gradient norm ({outcome.grad_norm}), step "
+                  f"skipped ({self._consecutive_skips} in a row, limit {limit})", logging.WARNING)
+        if self._consecutive_skips >= limit:
+            raise NonFiniteGradientError(
+                f"{limit} consecutive steps had inf/NaN gradients (precision {self.config.base_dtype}); "
+                "the loss or the data has diverged: lower the learning rate, set gradient_clipping, "
+                "check the inputs, or raise precision.max_consecutive_skipped_steps")
+
+    def _log(self, msg: str, level: int = logging.INFO) -> None:
+        if self.topology.rank == 0:
+            log.log(level, msg)
+
+    def zero_grad(self) -> None:
+        """Clear accumulated gradients (the engine also does this at each window's start)."""
+        self.reducer.start_window()
+
+    # ---- state and accessors ----------------------------------------------------------
+    def train(self, mode: bool = True) -> "Engine":
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> "Engine":
+        self.module.eval()
+        return self
+
+    def was_step_applied(self) -> bool:
+        return self._last is not None and self._last.applied
+
+    def get_global_grad_norm(self) -> Optional[float]:
+        return None if self._last is None else self._last.grad_norm
+
+    def get_lr(self) -> List[float]:
+        return [g["lr"] for g in self.optimizer.param_groups]
+
+    @property
+    def loss_scale(self) -> float:
+        return self.loss_scaler.loss_scale
+
+    @property
+    def device(self) -> torch.device:
+        return self.topology.device
+
+    def train_batch_size(self) -> int:
+        return self.batch.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.batch.micro_batch_size
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.batch.gradient_accumulation_steps
+
+    def parameters(self, recurse: bool = True):
+        return self.module.parameters(recurse)
+
+    def named_parameters(self, *args: Any, **kwargs: Any):
+        return self.module.named_parameters(*args, **kwargs)
+
+    def state_dict(self, *args: Any, **kwargs: Any):
+        return self.module.state_dict(*args, **kwargs)

@@ -1,0 +1,217 @@
+"""Precision per module: which dtype each module stores its parameters in and computes in.
+
+How it works: the engine runs the whole forward under `torch.autocast(base dtype)` with the
+parameters already stored in that dtype, so matmuls run in fp16/bf16 without casting weights
+every step, and autocast keeps its fp32 ops (softmax, cross-entropy, ...) in fp32. Modules that
+need another precision (normalisation layers, an `FP16Layer`, a `precision.modules` pattern) get a
+pair of forward hooks that enter a different autocast region around them and cast floating
+inputs to fp32 where that region is fp32. Hooks are only placed where the precision changes, so a
+uniform bf16 model pays for none.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterator, Mapping, Optional, Tuple
+
+import torch
+import torch.nn as nn
+
+DTYPES: Dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+HALF = (torch.float16, torch.bfloat16)
+
+# Normalisation layers stay fp32 under fp16/bf16 (seed 7.2): their statistics lose too much
+# precision in half, and their parameters are tiny.
+NORM_TYPES: Tuple[type, ...] = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm,
+                                nn.LocalResponseNorm) + ((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ())
+
+# Norms that CUDA autocast already computes in fp32 (they are on its fp32 op list): when their
+# parameters are fp32 they need no hook there. CPU autocast runs them in half, so CPU hooks them.
+_AUTOCAST_FP32_NORMS = {"cuda": (nn.LayerNorm, nn.GroupNorm)}
+
+
+def dtype_of(name: str) -> torch.dtype:
+    """'fp32' | 'fp16' | 'bf16' -> torch dtype."""
+    return DTYPES[name]
+
+
+def is_norm(module: nn.Module) -> bool:
+    """Known norm classes, and user classes named like one (LlamaRMSNorm, T5LayerNorm, ...)."""
+    return isinstance(module, NORM_TYPES) or type(module).__name__.lower().endswith("norm")
+
+
+def _floating_to(obj: Any, dtype: torch.dtype) -> Any:
+    """Cast every floating tensor inside (nested tuples/lists/dicts) to dtype."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(dtype) if obj.is_floating_point() and obj.dtype != dtype else obj
+    if isinstance(obj, (list, tuple)):
+        cast = [_floating_to(o, dtype) for o in obj]
+        return type(obj)(*cast) if hasattr(obj, "_fields") else type(obj)(cast)
+    if isinstance(obj, dict):
+        return {k: _floating_to(v, dtype) for k, v in obj.items()}
+    return obj
+
+
+def cast_floating(obj: Any, dtype: torch.dtype) -> Any:
+    """Public alias used by the engine to cast forward outputs to fp32."""
+    return _floating_to(obj, dtype)
+
+
+def _device_type(module: nn.Module, args: tuple) -> str:
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            return a.device.type
+    for p in module.parameters():
+        return p.device.type
+    return "cpu"
+
+
+def autocast_region(device_type: str, dtype: torch.dtype) -> torch.autocast:
+    """An autocast context computing in dtype; fp32 means autocast off."""
+    if dtype in HALF:
+        return torch.autocast(device_type, dtype=dtype)
+    return torch.autocast(device_type, enabled=False)
+
+
+class PrecisionRegion:
+    """A pre/post forward-hook pair that runs one module in its own precision.
+
+    dtype: the module's compute dtype. restore_output: cast floating outputs back to fp32 when the
+    caller is not under autocast (an fp16 layer inside an fp32 model must hand fp32 to the next
+    fp32 layer, or the next matmul fails on mixed dtypes).
+    """
+
+    def __init__(self, module: nn.Module, dtype: torch.dtype, restore_output: bool = True):
+        self.dtype = dtype
+        self.restore_output = restore_output
+        self._stack: list = []
+        self._handles = [
+            module.register_forward_pre_hook(self._enter, with_kwargs=True),
+            module.register_forward_hook(self._exit, with_kwargs=True, always_call=True),
+        ]
+
+    def _enter(self, module: nn.Module, args: tuple, kwargs: dict) -> Tuple[tuple, dict]:
+        device_type = _device_type(module, args)
+        outer_autocast = torch.is_autocast_enabled(device_type)
+        ctx = autocast_region(device_type, self.dtype)
+        ctx.__enter__()
+        self._stack.append((ctx, outer_autocast))
+        if self.dtype not in HALF:  # autocast is off inside: inputs must already be fp32
+            args, kwargs = _floating_to(args, self.dtype), _floating_to(kwargs, self.dtype)
+        return args, kwargs
+
+    def _exit(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        ctx, outer_autocast = self._stack.pop()
+        ctx.__exit__(None, None, None)
+        if self.restore_output and not outer_autocast and self.dtype in HALF:
+            return _floating_to(output, torch.float32)
+        return output
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+class FP16Module(nn.Module):
+    """Base class for a module that computes in half precision inside a model (seed 6.1).
+
+    Subclasses override `forward` and use `self.module`; the forward runs under fp16 autocast
+    (or `dtype`), and the engine stores the wrapped parameters in that dtype with fp32 masters.
+    Outputs are returned as the subclass produces them (the seed's example returns `x.half()`).
+    """
+
+    def __init__(self, module: Optional[nn.Module] = None, dtype: torch.dtype = torch.float16,
+                 restore_output: bool = False):
+        super().__init__()
+        if module is not None:
+            self.module = module
+        self.precision_dtype = dtype
+        self._region = PrecisionRegion(self, dtype, restore_output=restore_output)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+
+class FP16Layer(FP16Module):
+    """Wrap one layer to compute in fp16 while the rest of the model stays fp32 (seed 3.1.1).
+
+    `FP16Layer(nn.Linear(768, 3072))` stores and computes the layer in half precision; its
+    floating outputs come back as fp32 when the caller computes in fp32.
+    """
+
+    def __init__(self, module: nn.Module, dtype: torch.dtype = torch.float16):
+        super().__init__(module, dtype=dtype, restore_output=True)
+
+
+@dataclass
+class PrecisionPlan:
+    """Per-module compute dtypes chosen by a policy, and the hooks that enforce them."""
+
+    base: torch.dtype
+    module_dtype: Dict[nn.Module, torch.dtype] = field(default_factory=dict)
+    regions: list = field(default_factory=list)
+
+    def param_dtypes(self, model: nn.Module) -> Iterator[Tuple[nn.Parameter, torch.dtype]]:
+        """Each parameter once, with the dtype its owning module computes in."""
+        seen = set()
+        for module in model.modules():
+            dtype = self.module_dtype.get(module, self.base)
+            for p in module.parameters(recurse=False):
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    yield p, dtype
+
+    def remove(self) -> None:
+        for r in self.regions:
+            r.remove()
+        self.regions.clear()
+
+
+class PrecisionPolicy:
+    """Decides each module's dtype: FP16Module marker > name pattern > norm rule > parent's."""
+
+    def __init__(self, base: torch.dtype, modules: Optional[Mapping[str, str]] = None,
+                 norms_fp32: bool = True):
+        self.base = base
+        self.patterns = [(re.compile(p), DTYPES[d]) for p, d in (modules or {}).items()]
+        self.norms_fp32 = norms_fp32
+
+    def _own_dtype(self, name: str, module: nn.Module) -> Optional[torch.dtype]:
+        if isinstance(module, FP16Module):
+            return module.precision_dtype
+        for pattern, dtype in self.patterns:
+            if pattern.fullmatch(name):
+                return dtype
+        if self.norms_fp32 and is_norm(module):
+            return torch.float32
+        return None
+
+    def plan(self, model: nn.Module) -> Dict[nn.Module, Tuple[torch.dtype, bool]]:
+        """module -> (dtype, whether its dtype differs from its parent's)."""
+        out: Dict[nn.Module, Tuple[torch.dtype, bool]] = {}
+
+        def visit(name: str, module: nn.Module, parent_dtype: torch.dtype) -> None:
+            own = self._own_dtype(name, module)
+            dtype = own if own is not None else parent_dtype
+            out.setdefault(module, (dtype, dtype != parent_dtype))
+            for child_name, child in module.named_children():
+                visit(f"{name}.{child_name}" if name else child_name, child, dtype)
+
+        visit("", model, self.base)
+        return out
+
+    def apply(self, model: nn.Module, device_type: str) -> PrecisionPlan:
+        """Cast each module's own parameters to its dtype and hook where the dtype changes."""
+        result = PrecisionPlan(self.base)
+        skip_norms = _AUTOCAST_FP32_NORMS.get(device_type, ()) if self.base in HALF else ()
+        for module, (dtype, changes) in self.plan(model).items():
+            result.module_dtype[module] = dtype
+            for p in module.parameters(recurse=False):
+                if p.is_floating_point() and p.dtype != dtype:
+                    p.data = p.data.to(dtype)
+            if not changes or isinstance(module, FP16Module):
+                continue  # same as the parent, or it carries its own region
+            if dtype == torch.float32 and isinstance(module, skip_norms):
+                continue  # autocast on this device already runs it in fp32
+            result.regions.append(PrecisionRegion(module, dtype, restore_output=True))
+        return result

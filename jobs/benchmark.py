@@ -1,0 +1,250 @@
+"""Throughput of hybrid_ray against plain torch / DDP / DeepSpeed on the same GPT, one invocation.
+
+    python jobs/benchmark.py --suite gpu1     # 1 GPU: torch, hybrid ZeRO-1/2, DeepSpeed ZeRO-2
+    python jobs/benchmark.py --suite gpu2     # 2 GPUs: DDP, hybrid ZeRO-1/2, DeepSpeed ZeRO-2
+    python jobs/benchmark.py --suite cpu      # 2 gloo processes on CPU, small model: DDP vs hybrid
+
+A suite launches each implementation with torchrun, one after the other, parses the RESULT line
+each prints, and prints a table with tokens/s per GPU and the ratio to the baseline (plain torch
+on one device, DDP on several). Absolute numbers drift between machines; the ratio is the claim.
+Single run: torchrun --nproc_per_node=N jobs/benchmark.py --run --impl hybrid --stage 2
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Callable, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from hybrid_ray.models import GPT, GPT_SIZES, GPTConfig  # noqa: E402
+
+LR, WD, CLIP = 3e-4, 0.1, 1.0
+CPU_MODEL = GPTConfig(n_layer=4, n_head=4, d_model=256, vocab_size=8192, seq_len=256)
+
+SUITES: Dict[str, List[dict]] = {
+    "gpu1": [dict(impl="torch"), dict(impl="hybrid", stage=1), dict(impl="hybrid", stage=2),
+             dict(impl="hybrid", stage=0), dict(impl="deepspeed", stage=2)],
+    "gpu2": [dict(impl="ddp"), dict(impl="hybrid", stage=1), dict(impl="hybrid", stage=2),
+             dict(impl="deepspeed", stage=2)],
+    "cpu": [dict(impl="ddp"), dict(impl="hybrid", stage=1), dict(impl="hybrid", stage=2),
+            dict(impl="hybrid", stage=0)],
+}
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--suite", choices=list(SUITES))
+    p.add_argument("--run", action="store_true", help="one measurement (under torchrun)")
+    p.add_argument("--impl", choices=["torch", "ddp", "hybrid", "deepspeed"], default="hybrid")
+    p.add_argument("--model", default=None, help=f"one of {list(GPT_SIZES)} (default 350m on GPU)")
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None)
+    p.add_argument("--stage", type=int, default=1)
+    p.add_argument("--mbs", type=int, default=None)
+    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--warmup", type=int, default=None)
+    p.add_argument("--bucket", type=float, default=5e7, help="hybrid reduce_bucket_size (elements)")
+    p.add_argument("--nproc", type=int, default=None)
+    p.add_argument("--peak", type=float, default=989e12, help="dense bf16 FLOP/s per GPU for MFU")
+    p.add_argument("--out", default=None, help="append result lines (JSON) to this file")
+    return p.parse_args()
+
+
+# ---- one measurement -------------------------------------------------------------------
+def make_step(a: argparse.Namespace, model: nn.Module, device: torch.device) -> Callable:
+    """A closure doing one optimizer step of the chosen implementation."""
+    dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[a.dtype]
+    if a.impl == "hybrid":
+        return _hybrid_step(a, model)
+    if a.impl == "deepspeed":
+        return _deepspeed_step(a, model)
+    if a.impl == "ddp":
+        model = nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
+    fused = {"fused": True} if device.type == "cuda" else {"foreach": True}
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, **fused)
+    scaler = torch.amp.GradScaler(device.type) if a.dtype == "fp16" else None
+    use_autocast = dt != torch.float32
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(device.type, dtype=dt, enabled=use_autocast):
+            loss = model(x, y)
+        if scaler:
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+            scaler.step(opt)
+            scaler.update()
+        else:
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+    return step
+
+
+def _hybrid_step(a: argparse.Namespace, model: nn.Module) -> Callable:
+    import hybrid_ray
+    cfg = {"train_micro_batch_size_per_gpu": a.mbs, "gradient_clipping": CLIP,
+           "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}},
+           "zero_optimization": {"stage": a.stage, "reduce_bucket_size": int(a.bucket)}}
+    if a.dtype != "fp32":
+        cfg[a.dtype] = {"enabled": True}
+    engine, _, _, _ = hybrid_ray.initialize(model, config=cfg)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        return loss
+    return step
+
+
+def _deepspeed_step(a: argparse.Namespace, model: nn.Module) -> Callable:
+    import deepspeed
+    cfg = {"train_micro_batch_size_per_gpu": a.mbs, "gradient_accumulation_steps": 1,
+           "gradient_clipping": CLIP, "steps_per_print": 10**9, "wall_clock_breakdown": False,
+           "zero_optimization": {"stage": a.stage, "overlap_comm": True, "contiguous_gradients": True,
+                                 "reduce_bucket_size": 5e8, "allgather_bucket_size": 5e8}}
+    if a.dtype != "fp32":
+        cfg[a.dtype] = {"enabled": True}
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, fused=True)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        return loss
+    return step
+
+
+def measure(a: argparse.Namespace) -> None:
+    cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+    torch.manual_seed(0)
+    cfg = GPT_SIZES[a.model] if a.model else CPU_MODEL
+    model = GPT(cfg).to(device)
+    n_params = model.num_params()
+    step = make_step(a, model, device)
+    g = torch.Generator(device=device).manual_seed(rank)
+    x = torch.randint(0, cfg.vocab_size, (a.mbs, cfg.seq_len), device=device, generator=g)
+    y = torch.randint(0, cfg.vocab_size, (a.mbs, cfg.seq_len), device=device, generator=g)
+    for _ in range(a.warmup):
+        step(x, y)
+    _sync(cuda)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    for _ in range(a.steps):
+        loss = step(x, y)
+    _sync(cuda)
+    dt = (time.perf_counter() - t0) / a.steps
+    tok = a.mbs * cfg.seq_len
+    flops_tok = 6 * n_params + 12 * cfg.n_layer * cfg.d_model * cfg.seq_len
+    res = dict(impl=a.impl, stage=a.stage if a.impl in ("hybrid", "deepspeed") else None,
+               model=a.model or "cpu-small", dtype=a.dtype, world=world, mbs=a.mbs,
+               params_m=round(n_params / 1e6, 1), step_ms=round(dt * 1e3, 2), tok_s_gpu=round(tok / dt),
+               mfu=round(flops_tok * tok / dt / a.peak, 4) if cuda else None,
+               peak_mem_gb=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
+               loss=round(loss.item(), 3))
+    if rank == 0:
+        print("RESULT " + json.dumps(res), flush=True)
+    dist.destroy_process_group()
+
+
+def _sync(cuda: bool) -> None:
+    if cuda:
+        torch.cuda.synchronize()
+    dist.barrier()
+
+
+# ---- a suite: every implementation, one after the other --------------------------------
+def run_suite(a: argparse.Namespace) -> None:
+    gpu = a.suite.startswith("gpu")
+    nproc = a.nproc or (int(a.suite[3:]) if gpu else 2)
+    results = []
+    for spec in SUITES[a.suite]:
+        if spec["impl"] == "deepspeed" and not _has("deepspeed"):
+            print("# deepspeed not installed: skipped", flush=True)
+            continue
+        if spec["impl"] == "torch" and nproc > 1:
+            continue
+        res = _launch(a, spec, nproc, gpu)
+        if res:
+            results.append(res)
+            if a.out:
+                with open(a.out, "a") as f:
+                    f.write(json.dumps(res) + "\n")
+    print_table(results)
+
+
+def _launch(a: argparse.Namespace, spec: dict, nproc: int, gpu: bool) -> Optional[dict]:
+    args = ["--run", "--impl", spec["impl"], "--stage", str(spec.get("stage", 1)),
+            "--dtype", a.dtype or ("bf16" if gpu else "fp32"), "--mbs", str(a.mbs or (8 if gpu else 4)),
+            "--steps", str(a.steps or (30 if gpu else 10)), "--warmup", str(a.warmup or (8 if gpu else 3)),
+            "--bucket", str(a.bucket), "--peak", str(a.peak)]
+    if a.model or gpu:
+        args += ["--model", a.model or "350m"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           os.path.abspath(__file__)] + args
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            res = json.loads(line[7:])
+            print(line, flush=True)
+            return res
+    print(f"# {spec} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}", flush=True)
+    return None
+
+
+def print_table(results: List[dict]) -> None:
+    if not results:
+        return
+    base = next((r for r in results if r["impl"] in ("torch", "ddp")), results[0])
+    print(f"\n{'implementation':<22}{'tokens/s/GPU':>14}{'ratio':>8}{'step ms':>10}{'MFU':>8}{'peak GiB':>10}")
+    for r in results:
+        name = r["impl"] + (f" ZeRO-{r['stage']}" if r["stage"] is not None else "")
+        mfu = f"{r['mfu'] * 100:.1f}%" if r["mfu"] is not None else "-"
+        mem = r["peak_mem_gb"] if r["peak_mem_gb"] is not None else "-"
+        print(f"{name:<22}{r['tok_s_gpu']:>14,}{r['tok_s_gpu'] / base['tok_s_gpu']:>8.3f}"
+              f"{r['step_ms']:>10}{mfu:>8}{mem:>10}")
+    print(f"(ratio against {base['impl']}; model {base['model']}, {base['dtype']}, world {base['world']})")
+
+
+def _has(module: str) -> bool:
+    try:
+        __import__(module)
+        return True
+    except Exception:
+        return False
+
+
+def main() -> None:
+    a = parse()
+    if a.run:
+        gpu = torch.cuda.is_available()
+        a.dtype = a.dtype or ("bf16" if gpu else "fp32")
+        a.mbs, a.steps, a.warmup = a.mbs or (8 if gpu else 4), a.steps or 30, a.warmup or 8
+        measure(a)
+    elif a.suite:
+        run_suite(a)
+    else:
+        sys.exit("give --suite NAME or --run (see --help)")
+
+
+if __name__ == "__main__":
+    main()

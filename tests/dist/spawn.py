@@ -1,0 +1,33 @@
+"""Run a function in N real processes joined by a gloo process group (CPU)."""
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, fn: Callable, world: int, port: int, args: tuple) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)  # N processes share 2 cores: avoid oversubscription
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        fn(rank, world, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run(fn: Callable, world: int, *args: Any) -> None:
+    """Spawn `world` processes running fn(rank, world, *args); re-raise the first failure."""
+    mp.start_processes(_entry, args=(fn, world, free_port(), args), nprocs=world,
+                       start_method="spawn", join=True)
