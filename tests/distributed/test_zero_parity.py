@@ -11,7 +11,7 @@ import torch
 from hybrid_ray.engine.engine import Engine
 from hybrid_ray.engine.topology import Topology
 from hybrid_ray.models import GPT, GPT_SIZES
-from tests.dist import spawn
+from tests.distributed import spawn
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
