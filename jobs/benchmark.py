@@ -7,7 +7,7 @@
 A suite launches each implementation with torchrun, one after the other, parses the RESULT line
 each prints, and prints a table with tokens/s per GPU and the ratio to the baseline (plain torch
 on one device, DDP on several). Absolute numbers drift between machines; the ratio is the claim.
-Single run: torchrun --nproc_per_node=N jobs/benchmark.py --run --impl hybrid --stage 2
+Single run: torchrun --nproc_per_node=N jobs/benchmark.py --measure --impl hybrid --stage 2
 """
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ SUITES: Dict[str, List[dict]] = {
 def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--suite", choices=list(SUITES))
-    p.add_argument("--run", action="store_true", help="one measurement (under torchrun)")
+    p.add_argument("--measure", action="store_true", help="one measurement (under torchrun)")
     p.add_argument("--impl", choices=["torch", "ddp", "hybrid", "deepspeed"], default="hybrid")
     p.add_argument("--model", default=None, help=f"one of {list(GPT_SIZES)} (default 350m on GPU)")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None)
@@ -193,7 +193,7 @@ def run_suite(a: argparse.Namespace) -> None:
 
 
 def _launch(a: argparse.Namespace, spec: dict, nproc: int, gpu: bool) -> Optional[dict]:
-    args = ["--run", "--impl", spec["impl"], "--stage", str(spec.get("stage", 1)),
+    args = ["--measure", "--impl", spec["impl"], "--stage", str(spec.get("stage", 1)),
             "--dtype", a.dtype or ("bf16" if gpu else "fp32"), "--mbs", str(a.mbs or (8 if gpu else 4)),
             "--steps", str(a.steps or (30 if gpu else 10)), "--warmup", str(a.warmup or (8 if gpu else 3)),
             "--bucket", str(a.bucket), "--peak", str(a.peak)]
@@ -235,7 +235,7 @@ def _has(module: str) -> bool:
 
 def main() -> None:
     a = parse()
-    if a.run:
+    if a.measure:
         gpu = torch.cuda.is_available()
         a.dtype = a.dtype or ("bf16" if gpu else "fp32")
         a.mbs, a.steps, a.warmup = a.mbs or (8 if gpu else 4), a.steps or 30, a.warmup or 8
@@ -243,7 +243,7 @@ def main() -> None:
     elif a.suite:
         run_suite(a)
     else:
-        sys.exit("give --suite NAME or --run (see --help)")
+        sys.exit("give --suite NAME or --measure (see --help)")
 
 
 if __name__ == "__main__":

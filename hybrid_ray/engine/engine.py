@@ -21,8 +21,8 @@ import torch
 import torch.nn as nn
 
 from ..config import Config, load_config
-from . import build
-from .loss_scaler import LossScaler, build_loss_scaler
+from . import build, relayout
+from .loss_scaler import LossScaler, NoLossScaler, build_loss_scaler
 from .precision import HALF, PrecisionPolicy, autocast_region, cast_floating, dtype_of
 from .reducer import GradReducer
 from .schedulers import build_scheduler
@@ -52,35 +52,44 @@ class Engine:
         self.global_samples = 0
         self._consecutive_skips = 0
         self._last: Optional[StepOutcome] = None
-        groups = build.param_groups(model, model_parameters, optimizer)
-        self._build_precision(self.config.base_dtype)
-        self._build_zero(groups)
-        self.optimizer = self._build_optimizer(groups, optimizer)
+        self._groups = build.param_groups(model, model_parameters, optimizer)
+        self._build_precision(self._scheduled_dtype(0))
+        self._build_zero(self._groups)
+        self.optimizer = self._build_optimizer(self._groups, optimizer)
         self.lr_scheduler = lr_scheduler if lr_scheduler is not None else \
             build_scheduler(self.config.scheduler, self.optimizer)
+        # fp16 anywhere in the run (base, a module, a schedule phase) needs the loss scaler; it
+        # is consulted only while fp16 is part of the current precision mix.
         self.loss_scaler: LossScaler = build_loss_scaler(
             self.config.fp16, enabled=self._uses_fp16(), user_scaler=loss_scaler)
+        self._unit_scaler = NoLossScaler()
 
     # ---- construction -----------------------------------------------------------------
     def _build_precision(self, base: str) -> None:
         pc = self.config.precision
+        self.base_dtype = base
         self.compute_dtype = dtype_of(base)
         policy = PrecisionPolicy(self.compute_dtype, pc.modules, pc.norms_fp32)
         self.precision_plan = policy.apply(self.module, self.topology.device.type)
 
-    def _build_zero(self, groups: List[build.ParamGroup]) -> None:
+    def _build_zero(self, groups: List[build.ParamGroup], broadcast: bool = True) -> None:
         zc, topo = self.config.zero_optimization, self.topology
         num_shards = topo.world_size if zc.stage >= 1 else 1
         self.spaces = build.build_spaces(groups, topo.device, zc.reduce_bucket_size, num_shards, topo.rank)
-        build.broadcast_spaces(self.spaces, topo)
+        if broadcast:
+            build.broadcast_spaces(self.spaces, topo)
         reduce_dtype = dtype_of(self.config.communication_data_type or "fp32")
         self.reducer = GradReducer(self.spaces, topo, zc.stage, reduce_dtype, zc.overlap_comm, zc.reduce_scatter)
         self.zero = ZeroOptimizer(self.spaces, self.reducer, topo)
 
+    def _master_groups(self) -> List[List[nn.Parameter]]:
+        """Masters per optimizer group, with empty lists for groups with nothing to train."""
+        masters = self.zero.master_groups()
+        return masters + [[] for _ in range(len(self._groups) - len(masters))]
+
     def _build_optimizer(self, groups: List[build.ParamGroup],
                          client: Optional[torch.optim.Optimizer]) -> torch.optim.Optimizer:
-        masters = self.zero.master_groups()
-        masters += [[] for _ in range(len(groups) - len(masters))]
+        masters = self._master_groups()
         if client is not None:
             opt = build.rebind_client_optimizer(client, masters)
         else:
@@ -94,6 +103,42 @@ class Engine:
         pc = self.config.precision
         dtypes = [self.config.base_dtype] + list(pc.modules.values()) + [e.dtype for e in pc.schedule]
         return "fp16" in dtypes
+
+    @property
+    def _scaler(self) -> LossScaler:
+        """The fp16 loss scaler while fp16 is in the current precision mix, else a unit scale."""
+        fp16_now = self.base_dtype == "fp16" or "fp16" in self.config.precision.modules.values()
+        return self.loss_scaler if fp16_now or not self._uses_fp16() else self._unit_scaler
+
+    # ---- precision schedule (seed 7.3) ----------------------------------------------------
+    def _scheduled_dtype(self, step: int) -> str:
+        """Base dtype for optimizer step `step`: the last schedule entry at or before it."""
+        dtype = self.config.base_dtype
+        for entry in self.config.precision.schedule:
+            if entry.step <= step:
+                dtype = entry.dtype
+        return dtype
+
+    def _apply_schedule(self) -> None:
+        target = self._scheduled_dtype(self.global_steps)
+        if target != self.base_dtype:
+            self._log(f"step {self.global_steps}: precision {self.base_dtype} -> {target} (precision.schedule)")
+            self._switch_precision(target)
+
+    def _switch_precision(self, base: str) -> None:
+        """Re-lay the parameters out for a new base dtype; fp32 masters and optimizer state carry over."""
+        state = relayout.export_state(self.spaces, self.zero.masters, self.optimizer, self.topology)
+        scalars = relayout.scalar_state(self.optimizer, self.zero.masters)
+        for params, _ in self._groups:
+            for p in params:
+                p.data = state[id(p)]["master"].clone()  # fp32, off the old flat buffers
+        self.precision_plan.remove()
+        self.reducer.remove_hooks()
+        self._build_precision(base)
+        self._build_zero(self._groups, broadcast=False)
+        build.rebind_client_optimizer(self.optimizer, self._master_groups())
+        relayout.import_state(self.spaces, self.zero.masters, self.optimizer, state, scalars)
+        self.zero.optimizer = self.optimizer
 
     # ---- the training loop --------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -116,7 +161,7 @@ class Engine:
         if self.micro_steps % gas == 0:
             self.reducer.start_window()
         self.reducer.before_backward(self.is_gradient_accumulation_boundary())
-        scaled = loss.float() * (self.loss_scaler.loss_scale / gas)
+        scaled = loss.float() * (self._scaler.loss_scale / gas)
         scaled.backward()
         self.reducer.after_backward()
         return loss
@@ -129,13 +174,15 @@ class Engine:
         if not boundary:
             return
         self.reducer.finish_window()
-        self._last = self.zero.step(self.loss_scaler.loss_scale, self.config.gradient_clipping)
+        self._last = self.zero.step(self._scaler.loss_scale, self.config.gradient_clipping)
         self._after_step(self._last)
         self.global_steps += 1
+        self._apply_schedule()
 
     def _after_step(self, outcome: StepOutcome) -> None:
-        old_scale = self.loss_scaler.loss_scale
-        self.loss_scaler.update(outcome.overflow)
+        scaler = self._scaler
+        old_scale = scaler.loss_scale
+        scaler.update(outcome.overflow)
         if not outcome.overflow:
             self._consecutive_skips = 0
             if self.lr_scheduler is not None:
@@ -143,9 +190,9 @@ class Engine:
             return
         self.skipped_steps += 1
         self._consecutive_skips += 1
-        if self.loss_scaler.dynamic:
+        if scaler.dynamic:
             self._log(f"step {self.global_steps}: gradient overflow, step skipped; "
-                      f"loss scale {old_scale:g} -> {self.loss_scaler.loss_scale:g}")
+                      f"loss scale {old_scale:g} -> {scaler.loss_scale:g}")
             return
         limit = self.config.precision.max_consecutive_skipped_steps
         self._log(f"step {self.global_steps}: non-finite gradient norm ({outcome.grad_norm}), step "
@@ -173,6 +220,10 @@ class Engine:
         self.module.eval()
         return self
 
+    def memory_breakdown(self) -> dict:
+        """Bytes held by this rank for parameters, gradients, masters and optimizer state."""
+        return self.zero.memory_breakdown()
+
     def was_step_applied(self) -> bool:
         return self._last is not None and self._last.applied
 
@@ -184,7 +235,7 @@ class Engine:
 
     @property
     def loss_scale(self) -> float:
-        return self.loss_scaler.loss_scale
+        return self._scaler.loss_scale
 
     @property
     def device(self) -> torch.device:

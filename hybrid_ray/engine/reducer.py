@@ -30,7 +30,11 @@ class SpaceGrads:
 
     def __init__(self, space: FlatSpace, keep_flat_grads: bool):
         self.space = space
-        self.master_grad = torch.zeros(space.shard_numel, dtype=torch.float32, device=space.device)
+        # The fp32 master gradient lives only from the first reduction into it to the end of
+        # the step: stages 0/1 reduce at the boundary, stage 2 from the first micro-batch of
+        # the window on (it accumulates the micro-batches, so it starts zeroed).
+        self.accumulates = not keep_flat_grads
+        self.master_grad: Optional[torch.Tensor] = None
         self.flat_grad: Optional[torch.Tensor] = None
         if keep_flat_grads:
             self.flat_grad = torch.zeros(space.numel, dtype=space.dtype, device=space.device)
@@ -57,9 +61,18 @@ class SpaceGrads:
             p.grad = None  # stage 2: the whole gradient is not kept
         return buf if dtype == buf.dtype else buf.to(dtype)
 
+    def ensure_master_grad(self) -> torch.Tensor:
+        if self.master_grad is None:
+            alloc = torch.zeros if self.accumulates else torch.empty  # empty: fully overwritten
+            self.master_grad = alloc(self.space.shard_numel, dtype=torch.float32, device=self.space.device)
+        return self.master_grad
+
+    def release_master_grad(self) -> None:
+        self.master_grad = None
+
     def master_slice(self, bucket: Bucket) -> torch.Tensor:
         off = self.shard_offset[bucket.index]
-        return self.master_grad[off:off + bucket.numel // self.space.num_shards]
+        return self.ensure_master_grad()[off:off + bucket.numel // self.space.num_shards]
 
 
 class GradReducer:
@@ -92,8 +105,7 @@ class GradReducer:
             if g.flat_grad is not None:
                 g.flat_grad.zero_()
                 g.attach_grad_views()
-            else:
-                g.master_grad.zero_()
+            g.release_master_grad()
 
     def before_backward(self, boundary: bool) -> None:
         """Arm the bucket hooks when this backward must reduce (stage 2: every micro-batch)."""
@@ -120,8 +132,16 @@ class GradReducer:
         if self.distributed:
             return
         for g in self.grads:
+            master_grad = g.ensure_master_grad()
             for b, lo, hi, off in g.space.shard_slices():
-                g.master_grad[off:off + hi - lo].copy_(g.flat_grad[lo:hi])
+                master_grad[off:off + hi - lo].copy_(g.flat_grad[lo:hi])
+
+    def master_grads(self) -> List[torch.Tensor]:
+        return [g.ensure_master_grad() for g in self.grads]
+
+    def release_master_grads(self) -> None:
+        for g in self.grads:
+            g.release_master_grad()
 
     # ---- hooks and collectives --------------------------------------------------------
     def _register_hooks(self) -> None:

@@ -4,15 +4,17 @@ Composition, as in nanotron: a plain torch optimizer over fp32 master tensors (o
 space: this rank's shard), fed by the GradReducer, wrapped by this class which adds the global
 gradient norm, overflow agreement, clipping and the all-gather of updated parameters.
 
-Memory per parameter with Adam (ZeRO paper): stage 0 16 bytes; stage 1 4 + 12/N (half params
-and half gradients whole, fp32 master and two moments sharded); stage 2 2 + 14/N (the gradient
-too is sharded, kept in fp32 in the master gradient: 2 + 16/N here, plus one bucket in flight).
+Memory per parameter with Adam and half-precision parameters, between steps (ZeRO paper's
+formulas): stage 0 16 bytes; stage 1 4 + 12/N (half params and half gradients whole, fp32 master
+and two moments sharded); stage 2 2 + 12/N. The fp32 gradient shard (4/N) exists only from the
+first reduction of a window to the end of its step, so stage 2 peaks at 2 + 16/N during backward,
+against the paper's 2 + 14/N held all the time. `memory_breakdown()` reports the live figures.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -38,10 +40,8 @@ class ZeroOptimizer:
     def __init__(self, spaces: List[FlatSpace], reducer: GradReducer, topo: Topology):
         self.spaces, self.reducer, self.topo = spaces, reducer, topo
         self.masters: List[torch.nn.Parameter] = []
-        for space, grads in zip(spaces, reducer.grads):
-            master = torch.nn.Parameter(space.gather_shard(space.flat).float())
-            master.grad = grads.master_grad
-            self.masters.append(master)
+        for space in spaces:
+            self.masters.append(torch.nn.Parameter(space.gather_shard(space.flat).float()))
         self.optimizer: Optional[torch.optim.Optimizer] = None
 
     def master_groups(self) -> List[List[torch.nn.Parameter]]:
@@ -71,6 +71,16 @@ class ZeroOptimizer:
 
     def step(self, loss_scale: float, clip: float) -> StepOutcome:
         """Global norm and overflow check (one host sync), clip, update, gather parameters."""
+        for master, grad in zip(self.masters, self.reducer.master_grads()):
+            master.grad = grad
+        try:
+            return self._step(loss_scale, clip)
+        finally:
+            for master in self.masters:
+                master.grad = None
+            self.reducer.release_master_grads()
+
+    def _step(self, loss_scale: float, clip: float) -> StepOutcome:
         divisor = self.grad_divisor(loss_scale)
         scaled_norm = math.sqrt(self._sum_of_squares().item())
         grad_norm = scaled_norm / divisor
@@ -83,6 +93,19 @@ class ZeroOptimizer:
         self.optimizer.step()
         self.write_back()
         return StepOutcome(applied=True, overflow=False, grad_norm=grad_norm)
+
+    def memory_breakdown(self) -> Dict[str, int]:
+        """Bytes this rank holds now, by role (what the ZeRO formulas count)."""
+        grads = self.reducer.grads
+        state = [t for m in self.masters for t in self.optimizer.state.get(m, {}).values()
+                 if torch.is_tensor(t) and t.numel() > 1] if self.optimizer else []
+        return {
+            "params": sum(_nbytes(s.flat) for s in self.spaces),
+            "grads": sum(_nbytes(g.flat_grad) for g in grads if g.flat_grad is not None),
+            "master_params": sum(_nbytes(m) for m in self.masters),
+            "master_grads": sum(_nbytes(g.master_grad) for g in grads if g.master_grad is not None),
+            "optimizer_state": sum(_nbytes(t) for t in state),
+        }
 
     @torch.no_grad()
     def write_back(self) -> None:
@@ -97,3 +120,7 @@ class ZeroOptimizer:
                                                 async_op=True))
         for w in works:
             w.wait()
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()

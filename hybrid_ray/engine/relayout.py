@@ -1,0 +1,75 @@
+"""Moving fp32 state between the sharded flat layout and one tensor per parameter.
+
+Used whenever the layout changes under a running job: a precision switch (parameters move to
+flat spaces of another dtype) and, later, loading a checkpoint at another world size. The fp32
+master values and every per-element optimizer state (Adam's moments, SGD's momentum) travel;
+scalar state such as Adam's step count is kept as is.
+"""
+from __future__ import annotations
+
+from typing import Dict, List
+
+import torch
+
+from . import comm
+from .flat import FlatSpace
+from .topology import Topology
+
+ParamState = Dict[int, Dict[str, torch.Tensor]]  # id(param) -> {"master": t, "exp_avg": t, ...}
+
+
+def full_flat(space: FlatSpace, shard: torch.Tensor, topo: Topology) -> torch.Tensor:
+    """The whole flat-sized tensor, from every rank's shard of it (one all-gather per bucket)."""
+    if space.num_shards == 1:
+        return shard
+    full = torch.empty(space.numel, dtype=shard.dtype, device=shard.device)
+    for bucket, lo, hi, off in space.shard_slices():
+        comm.all_gather(full[bucket.start:bucket.start + bucket.numel], shard[off:off + hi - lo],
+                        group=topo.group)
+    return full
+
+
+def shard_from_params(space: FlatSpace, values: Dict[int, torch.Tensor]) -> torch.Tensor:
+    """This rank's fp32 shard of a space, filled from one full tensor per parameter."""
+    full = torch.zeros(space.numel, dtype=torch.float32, device=space.device)
+    for p, off in space.param_offsets():
+        full[off:off + p.numel()].copy_(values[id(p)].reshape(-1))
+    return space.gather_shard(full)
+
+
+def export_state(spaces: List[FlatSpace], masters: List[torch.Tensor],
+                 optimizer: torch.optim.Optimizer, topo: Topology) -> ParamState:
+    """Full fp32 master and per-element optimizer state of every parameter (on its device)."""
+    out: ParamState = {}
+    for space, master in zip(spaces, masters):
+        tensors = {"master": master.detach()}
+        for key, value in optimizer.state.get(master, {}).items():
+            if torch.is_tensor(value) and value.shape == master.shape:
+                tensors[key] = value
+        fulls = {key: full_flat(space, t, topo) for key, t in tensors.items()}
+        for p, off in space.param_offsets():
+            out[id(p)] = {key: f[off:off + p.numel()].view_as(p).clone() for key, f in fulls.items()}
+    return out
+
+
+def scalar_state(optimizer: torch.optim.Optimizer, masters: List[torch.Tensor]) -> Dict[str, object]:
+    """Optimizer state that is not per element (e.g. Adam's step), from the first master."""
+    for master in masters:
+        state = optimizer.state.get(master, {})
+        if state:
+            return {k: v for k, v in state.items() if not (torch.is_tensor(v) and v.shape == master.shape)}
+    return {}
+
+
+def import_state(spaces: List[FlatSpace], masters: List[torch.nn.Parameter],
+                 optimizer: torch.optim.Optimizer, state: ParamState, scalars: Dict[str, object]) -> None:
+    """Fill masters and optimizer state of a (new) layout from per-parameter state."""
+    for space, master in zip(spaces, masters):
+        keys = set().union(*(state[id(p)].keys() for p in space.params)) if space.params else set()
+        with torch.no_grad():
+            master.copy_(shard_from_params(space, {id(p): state[id(p)]["master"] for p in space.params}))
+        entry = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in scalars.items()}
+        for key in keys - {"master"}:
+            entry[key] = shard_from_params(space, {id(p): state[id(p)][key] for p in space.params})
+        if len(entry) > len(scalars) or scalars:
+            optimizer.state[master] = entry
