@@ -30,8 +30,12 @@ SCENARIOS: Dict[str, Tuple[int, int, float, dict]] = {
     "s2_acc_clip": (2, 3, 0.05, {}),
     "s2_no_overlap_allreduce": (2, 2, 0.0, {"overlap_comm": False, "reduce_scatter": False}),
     "s1_one_bucket": (1, 1, 0.05, {"reduce_bucket_size": 10**9}),
+    # Gradients reduced in half precision (seed 4.1): close to, not equal to, the fp32 reference.
+    "s1_bf16_reduce": (1, 1, 0.0, {"communication_data_type": "bf16"}),
+    "s2_fp16_reduce": (2, 2, 0.05, {"communication_data_type": "fp16"}),
 }
-FOUR_RANKS = ["s0_acc_clip", "s1", "s2_acc_clip"]
+HALF_REDUCE_TOLERANCE = {"s1_bf16_reduce": 1e-1, "s2_fp16_reduce": 5e-2}  # observed <= 4e-2, 2.3e-2
+FOUR_RANKS = ["s0_acc_clip", "s1", "s2_acc_clip", "s2_fp16_reduce"]
 
 
 def batch(step: int, k: int, rank: int, world: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -45,9 +49,11 @@ def batch(step: int, k: int, rank: int, world: int) -> Tuple[torch.Tensor, torch
 
 
 def config(stage: int, gas: int, clip: float, extra: dict) -> dict:
+    extra = dict(extra)
+    comm_dtype = extra.pop("communication_data_type", None)
     zero = {"stage": stage, "reduce_bucket_size": 3000, **extra}
     return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas,
-            "gradient_clipping": clip, "zero_optimization": zero,
+            "gradient_clipping": clip, "zero_optimization": zero, "communication_data_type": comm_dtype,
             "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}}}
 
 
@@ -97,4 +103,5 @@ def test_zero_stages_match_single_process_adamw(world: int, tmp_path: Path) -> N
         for r in range(1, world):  # every rank ends with the same full parameters
             assert all(torch.equal(ranks[0][n], ranks[r][n]) for n in ref), (name, r)
         err = max_rel_err(ranks[0], ref)
-        assert err < 5e-6, f"{name} world={world}: relative error {err:.2e}"
+        bound = HALF_REDUCE_TOLERANCE.get(name, 5e-6)
+        assert err < bound, f"{name} world={world}: relative error {err:.2e} (bound {bound:.0e})"
