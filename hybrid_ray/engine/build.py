@@ -65,11 +65,17 @@ def build_spaces(groups: Sequence[ParamGroup], device: torch.device, bucket_nume
     return spaces
 
 
-def broadcast_spaces(spaces: Sequence[FlatSpace], topo: Topology) -> None:
-    """Start every rank from rank 0's weights (one collective per space), as DDP does."""
+def broadcast_state(spaces: Sequence[FlatSpace], model: nn.Module, topo: Topology) -> None:
+    """Start every rank from rank 0's weights and buffers (one collective per space), as DDP does.
+
+    Buffers (BatchNorm statistics) are synchronised once here; afterwards each rank updates its
+    own, as DDP does with broadcast_buffers=False.
+    """
     if topo.world_size > 1:
         for s in spaces:
             dist.broadcast(s.flat, src=0, group=topo.group)
+        for b in model.buffers():
+            dist.broadcast(b, src=0, group=topo.group)
 
 
 def build_optimizer(opt_type: str, params: Dict[str, Any], master_groups: List[List[nn.Parameter]],
@@ -86,6 +92,22 @@ def build_optimizer(opt_type: str, params: Dict[str, Any], master_groups: List[L
     kwargs.update(_implementation(device))
     groups = [dict(hyper, params=ms) for ms, hyper in zip(master_groups, hypers) if ms]
     return cls(groups, **kwargs)
+
+
+NO_EFFECT_KEYS = {  # accepted for DeepSpeed compatibility; what our design does instead
+    "zero_optimization.allgather_bucket_size": "parameters are all-gathered per reduce bucket",
+    "zero_optimization.contiguous_gradients": "gradients are always contiguous flat buffers",
+    "zero_optimization.round_robin_gradients": "buckets are sharded evenly, no round robin needed",
+    "zero_optimization.sub_group_size": "the optimizer steps one flat master per space",
+    "wall_clock_breakdown": "use the benchmark or torch.profiler",
+    "dump_state": "use engine.memory_breakdown()",
+}
+
+
+def no_effect_settings(flat_config: Dict[str, Any], defaults: Dict[str, Any]) -> List[str]:
+    """Settings changed from their default that our engine accepts but has no use for."""
+    return [f"{k}={flat_config[k]!r} ({why})" for k, why in NO_EFFECT_KEYS.items()
+            if k in flat_config and flat_config[k] != defaults.get(k)]
 
 
 def _implementation(device: torch.device) -> Dict[str, bool]:

@@ -63,6 +63,7 @@ class Engine:
         self.loss_scaler: LossScaler = build_loss_scaler(
             self.config.fp16, enabled=self._uses_fp16(), user_scaler=loss_scaler)
         self._unit_scaler = NoLossScaler()
+        self._note_no_effect_settings()
 
     # ---- construction -----------------------------------------------------------------
     def _build_precision(self, base: str) -> None:
@@ -77,10 +78,16 @@ class Engine:
         num_shards = topo.world_size if zc.stage >= 1 else 1
         self.spaces = build.build_spaces(groups, topo.device, zc.reduce_bucket_size, num_shards, topo.rank)
         if broadcast:
-            build.broadcast_spaces(self.spaces, topo)
+            build.broadcast_state(self.spaces, self.module, topo)
         reduce_dtype = dtype_of(self.config.communication_data_type or "fp32")
         self.reducer = GradReducer(self.spaces, topo, zc.stage, reduce_dtype, zc.overlap_comm, zc.reduce_scatter)
         self.zero = ZeroOptimizer(self.spaces, self.reducer, topo)
+
+    def _note_no_effect_settings(self) -> None:
+        defaults = load_config({}).flat_dict()
+        ignored = build.no_effect_settings(self.config.flat_dict(), defaults)
+        if ignored:
+            self._log("accepted for DeepSpeed compatibility, no effect here: " + "; ".join(ignored))
 
     def _master_groups(self) -> List[List[nn.Parameter]]:
         """Masters per optimizer group, with empty lists for groups with nothing to train."""
@@ -99,16 +106,19 @@ class Engine:
         self.zero.optimizer = opt
         return opt
 
+    def _fp16_in_model(self) -> bool:
+        """An fp16 module in the current plan: the base, a pattern, or an FP16Layer/FP16Module."""
+        return torch.float16 in self.precision_plan.module_dtype.values()
+
     def _uses_fp16(self) -> bool:
         pc = self.config.precision
         dtypes = [self.config.base_dtype] + list(pc.modules.values()) + [e.dtype for e in pc.schedule]
-        return "fp16" in dtypes
+        return "fp16" in dtypes or self._fp16_in_model()
 
     @property
     def _scaler(self) -> LossScaler:
         """The fp16 loss scaler while fp16 is in the current precision mix, else a unit scale."""
-        fp16_now = self.base_dtype == "fp16" or "fp16" in self.config.precision.modules.values()
-        return self.loss_scaler if fp16_now or not self._uses_fp16() else self._unit_scaler
+        return self.loss_scaler if self._fp16_in_model() or not self._uses_fp16() else self._unit_scaler
 
     # ---- precision schedule (seed 7.3) ----------------------------------------------------
     def _scheduled_dtype(self, step: int) -> str:
@@ -146,6 +156,8 @@ class Engine:
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the model under the base precision; floating outputs come back as fp32."""
+        if self.config.fp16.auto_cast and self.compute_dtype == torch.float16:
+            args, kwargs = cast_floating(args, torch.float16), cast_floating(kwargs, torch.float16)
         with autocast_region(self.topology.device.type, self.compute_dtype):
             out = self.module(*args, **kwargs)
         if self.config.precision.fp32_outputs and self.compute_dtype in HALF:

@@ -152,14 +152,20 @@ class PrecisionPlan:
     regions: list = field(default_factory=list)
 
     def param_dtypes(self, model: nn.Module) -> Iterator[Tuple[nn.Parameter, torch.dtype]]:
-        """Each parameter once, with the dtype its owning module computes in."""
-        seen = set()
+        """Each parameter once, with the dtype it is stored in: its module's compute dtype, or
+        fp32 where modules of different dtypes share it (GPT's embedding tied to an fp32 head).
+
+        Autocast casts an fp32 weight down for a half module, but a half weight cannot serve an
+        fp32 module (its matmul sees mixed dtypes), and storing it in half first would round
+        away the initial weights' precision.
+        """
+        chosen: Dict[int, Tuple[nn.Parameter, torch.dtype]] = {}
         for module in model.modules():
             dtype = self.module_dtype.get(module, self.base)
             for p in module.parameters(recurse=False):
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    yield p, dtype
+                prev = chosen.get(id(p))
+                chosen[id(p)] = (p, dtype if prev is None or prev[1] == dtype else torch.float32)
+        return iter(chosen.values())
 
     def remove(self) -> None:
         for r in self.regions:
@@ -201,17 +207,35 @@ class PrecisionPolicy:
         return out
 
     def apply(self, model: nn.Module, device_type: str) -> PrecisionPlan:
-        """Cast each module's own parameters to its dtype and hook where the dtype changes."""
+        """Store each module's parameters in its dtype and hook where the dtype changes."""
         result = PrecisionPlan(self.base)
         skip_norms = _AUTOCAST_FP32_NORMS.get(device_type, ()) if self.base in HALF else ()
         for module, (dtype, changes) in self.plan(model).items():
             result.module_dtype[module] = dtype
-            for p in module.parameters(recurse=False):
-                if p.is_floating_point() and p.dtype != dtype:
-                    p.data = p.data.to(dtype)
             if not changes or isinstance(module, FP16Module):
                 continue  # same as the parent, or it carries its own region
             if dtype == torch.float32 and isinstance(module, skip_norms):
                 continue  # autocast on this device already runs it in fp32
             result.regions.append(PrecisionRegion(module, dtype, restore_output=True))
+        for p, dtype in result.param_dtypes(model):
+            if p.is_floating_point() and p.dtype != dtype:
+                p.data = p.data.to(dtype)
+        for module in result.module_dtype:
+            _buffers_follow_params(module)
         return result
+
+
+def _buffers_follow_params(module: nn.Module) -> None:
+    """Cast a module's floating buffers to its parameters' dtype.
+
+    Kernels that take both (batch_norm's running statistics) require one dtype, so a BatchNorm
+    kept in bf16 (`norms_fp32: false`) needs bf16 statistics, and one kept in fp32 inside a model
+    the user cast to half needs fp32 ones. Buffers of modules without parameters (rotary caches,
+    masks) are left as the model made them.
+    """
+    dtype = next((p.dtype for p in module.parameters(recurse=False) if p.is_floating_point()), None)
+    if dtype is None:
+        return
+    for b in module.buffers(recurse=False):
+        if b.is_floating_point() and b.dtype != dtype:
+            b.data = b.data.to(dtype)

@@ -58,8 +58,12 @@ class ZeroOptimizer:
         if not grads:
             local = torch.zeros((), dtype=torch.float32, device=self.topo.device)
         else:
-            norms = torch._foreach_norm(grads, 2.0)
-            local = torch.stack(norms).square().sum()
+            # CPU reductions over one multi-million-element tensor accumulate naively in fp32
+            # (error ~1e-4 at 10M elements); fp64 accumulation makes the clip coefficient exact.
+            # CUDA reduces in a tree and needs no help.
+            acc = torch.float64 if self.topo.device.type == "cpu" else None
+            norms = torch._foreach_norm(grads, 2.0, dtype=acc)
+            local = torch.stack(norms).float().square().sum()
         if self.topo.world_size > 1 and self.reducer.sharded:
             dist.all_reduce(local, group=self.topo.group)  # inf/nan anywhere reaches every rank
         return local
