@@ -219,6 +219,17 @@ class Engine:
         if self.topology.rank == 0:
             log.log(level, msg)
 
+    def close(self) -> None:
+        """Detach the engine from the model: remove its hooks, drop its buffers and group.
+
+        The model keeps its current weights (as views of the engine's flat buffers). Call before
+        `dist.destroy_process_group()` when an engine is rebuilt in a live process (elastic
+        resizes, precision switches do this internally).
+        """
+        self.precision_plan.remove()
+        self.reducer.remove_hooks()
+        self.reducer.grads.clear()
+
     def zero_grad(self) -> None:
         """Clear accumulated gradients (the engine also does this at each window's start)."""
         self.reducer.start_window()

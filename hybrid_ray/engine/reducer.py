@@ -15,6 +15,7 @@ With one rank nothing is reduced: the master gradient is one cast-copy of the fl
 """
 from __future__ import annotations
 
+import weakref
 from typing import Callable, Dict, List, Optional
 
 import torch
@@ -151,13 +152,19 @@ class GradReducer:
                     self._hooks.append(p.register_post_accumulate_grad_hook(self._make_hook(g, b)))
 
     def _make_hook(self, g: SpaceGrads, b: Bucket) -> Callable:
+        # The hook lives on the parameter, which outlives the engine; a strong reference would
+        # keep the reducer (and through it the process group) alive until interpreter exit,
+        # where tearing down gloo's threads aborts the process.
+        reducer_ref, grads_ref = weakref.ref(self), weakref.ref(g)
+
         def hook(_param: torch.Tensor) -> None:
-            if not self._armed:
+            reducer, grads = reducer_ref(), grads_ref()
+            if reducer is None or grads is None or not reducer._armed:
                 return
-            left = g.pending[b.index] - 1
-            g.pending[b.index] = left
+            left = grads.pending[b.index] - 1
+            grads.pending[b.index] = left
             if left == 0:
-                self._launch(g, b)
+                reducer._launch(grads, b)
         return hook
 
     def _launch(self, g: SpaceGrads, b: Bucket) -> None:

@@ -89,11 +89,15 @@ def load_job(source: Union[str, os.PathLike, Mapping[str, Any]]) -> Job:
     raw = source if isinstance(source, Mapping) else read_json(Path(source))
     if not isinstance(raw, Mapping):
         raise config_error("", "expected an object", raw, "sections: " + ", ".join(SECTIONS))
+    if not is_job_file(raw):
+        raise config_error("engine", "missing required section", allowed=(
+            "a job file holds {\"engine\": {...engine config...}, \"model\": {...}, "
+            "\"train\": {...}}; see jobs/configs/small_cpu.json"))
     for key in raw:
         if key not in SECTIONS:
             raise unknown_key_error("", key, SECTIONS)
-    if "engine" not in raw or "train" not in raw:
-        raise config_error("engine, train", "missing required section",
+    if "train" not in raw:
+        raise config_error("train", "missing required section",
                            allowed="a job file needs 'engine' and 'train' ('model' is optional)")
     engine = _load_engine(raw["engine"])
     model = load_dataclass(ModelSection, raw.get("model", {}), "model")

@@ -8,6 +8,7 @@ already set) it trains directly.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import subprocess
 import sys
@@ -51,13 +52,15 @@ def main(argv: Optional[List[str]] = None, prog: str = "train_local.py") -> int:
 
 def run(config: str, nproc: int) -> int:
     """Validate the job file before any process starts, then train; returns the exit code."""
-    try:
-        job = load_job(config)
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_CONFIG
     if nproc < 1:
         print(f"error: --nproc: out of range; got {nproc}; allowed: >= 1", file=sys.stderr)
+        return EXIT_CONFIG
+    try:
+        job = load_job(config)
+        # Batch sizes depend on the world size: check them before starting any process.
+        job.engine.resolve_batch(int(os.environ.get("WORLD_SIZE", nproc)))
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     if launched() or nproc == 1:
         return run_worker(job)
@@ -65,7 +68,8 @@ def run(config: str, nproc: int) -> int:
 
 
 def run_worker(job: Job) -> int:
-    """Train as one rank; a failure becomes one clear line on stderr and exit code 1."""
+    """Train as one rank; a failure prints its traceback, then one line naming the rank and
+    the error, and returns exit code 1."""
     from hybrid_ray.lm.loop import train  # torch-heavy: not needed to validate or re-launch
 
     rank = os.environ.get("RANK", "0")
@@ -78,6 +82,10 @@ def run_worker(job: Job) -> int:
               file=sys.stderr, flush=True)
         return EXIT_FAILED
     finally:
+        # The engine sits in reference cycles (its gradient hooks) that hold the process group;
+        # left to interpreter shutdown, gloo's teardown sometimes aborts the process (SIGABRT,
+        # "terminate called without an active exception") after a successful run.
+        gc.collect()
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
 

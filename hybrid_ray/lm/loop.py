@@ -11,7 +11,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass
-from typing import Iterator, List, Tuple
+from typing import Iterator, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -88,17 +88,19 @@ def _all_sum(t: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def evaluate(engine: Engine, windows: ByteWindows, count: "int | None") -> float:
+def evaluate(engine: Engine, windows: ByteWindows, count: Optional[int]) -> float:
     """Mean loss (nats/byte) over `count` evenly spaced windows (all if None), split over ranks."""
     engine.eval()
     topo = engine.topology
     mine = evenly_spaced(len(windows), count)[topo.rank::topo.world_size]
     mbs = engine.train_micro_batch_size_per_gpu()
-    total = torch.zeros(2, dtype=torch.float64)  # (sum of losses over tokens, tokens)
+    # (sum of per-token losses, tokens), on the device: NCCL reduces device tensors only.
+    total = torch.zeros(2, dtype=torch.float64, device=engine.device)
     for lo in range(0, len(mine), mbs):
         x, y = (torch.stack(t) for t in zip(*(windows[i] for i in mine[lo:lo + mbs])))
         loss = engine(x.to(engine.device), y.to(engine.device))
-        total += torch.tensor([float(loss) * y.numel(), y.numel()], dtype=torch.float64)
+        total[0] += loss.detach().double() * y.numel()
+        total[1] += y.numel()
     engine.train()
     total = _all_sum(total)
     return float(total[0] / total[1])
@@ -122,10 +124,10 @@ def generate(engine: Engine, prompt: bytes, n: int, temperature: float, seq_len:
 
 
 def _log_line(engine: Engine, step: int, total: int, loss: float, tok_s: float) -> str:
-    norm = engine.get_global_grad_norm()
+    norm = engine.get_global_grad_norm()  # None before the first optimizer step
+    norm_text = "-" if norm is None else f"{norm:.3f}"
     return (f"step {step:>5}/{total} | loss {loss:.4f} | lr {engine.get_lr()[0]:.2e} | "
-            f"loss scale {engine.loss_scale:g} | grad norm {norm if norm is None else f'{norm:.3f}'} | "
-            f"{tok_s:,.0f} tok/s")
+            f"loss scale {engine.loss_scale:g} | grad norm {norm_text} | {tok_s:,.0f} tok/s")
 
 
 def train_steps(job: Job, engine: Engine, loader: torch.utils.data.DataLoader,
@@ -206,6 +208,9 @@ def train(job: Job) -> RunResult:
                        job.train.temperature, job.model.seq_len)
         text = out.decode("utf-8", errors="replace")
         say(f"sample (temperature {job.train.temperature:g}):\n{'-' * 72}\n{text}\n{'-' * 72}")
+    if dist.is_available() and dist.is_initialized():
+        # Ranks leave together (rank 0 is still sampling): none tears down the group early.
+        dist.barrier()
     if job.train.require_below_baseline and not val_loss < baseline:
         raise DidNotLearnError(
             f"final val loss {val_loss:.4f} is not below the unigram baseline {baseline:.4f} "

@@ -26,6 +26,9 @@ def _entry(rank: int, fn: Callable, world: int, port: int, args: tuple,
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)
     try:
         fn(rank, world, *args)
+        # gloo returns from a collective once this rank has its data, while a peer may still be
+        # receiving from it; tearing the group down then aborts the peer. Leave together.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
