@@ -11,13 +11,16 @@ import torch.nn as nn
 
 from .config import Config, ConfigError, NotSupportedError, load_config
 from .data import build_dataloader
+from .engine.checkpointing import checkpoint_activations
 from .engine.engine import Engine, NonFiniteGradientError
 from .engine.loss_scaler import LossScaleUnderflowError
 from .engine.precision import FP16Layer, FP16Module
+from .engine.stage3 import register_external_parameter
 from .engine.topology import Topology
 
 __all__ = ["initialize", "Engine", "Config", "ConfigError", "NotSupportedError", "load_config",
-           "FP16Layer", "FP16Module", "Topology", "NonFiniteGradientError", "LossScaleUnderflowError"]
+           "FP16Layer", "FP16Module", "Topology", "NonFiniteGradientError", "LossScaleUnderflowError",
+           "checkpoint_activations", "register_external_parameter"]
 
 
 def initialize(model: nn.Module, model_parameters: Any = None, config: Any = None,

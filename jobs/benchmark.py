@@ -3,17 +3,20 @@
     python jobs/benchmark.py --suite gpu1     # 1 GPU: torch, hybrid ZeRO-1/2, DeepSpeed ZeRO-2
     python jobs/benchmark.py --suite gpu2     # 2 GPUs: DDP, hybrid ZeRO-1/2, DeepSpeed ZeRO-2
     python jobs/benchmark.py --suite cpu      # 2 gloo processes on CPU, small model: DDP vs hybrid
+    python jobs/benchmark.py --suite offload1 # 1 GPU, 1.3B: torch, hybrid and DeepSpeed ZeRO-2 + CPU offload
 
 A suite launches each implementation with torchrun, one after the other, parses the RESULT line
 each prints, and prints a table with tokens/s per GPU and the ratio to the baseline (plain torch
 on one device, DDP on several). Absolute numbers drift between machines; the ratio is the claim.
 Single run: torchrun --nproc_per_node=N jobs/benchmark.py --measure --impl hybrid --stage 2
+(add --offload for optimizer offload to the CPU, --delayed-update for its delayed parameter update)
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -36,6 +39,16 @@ SUITES: Dict[str, List[dict]] = {
              dict(impl="deepspeed", stage=2)],
     "cpu": [dict(impl="ddp"), dict(impl="hybrid", stage=1), dict(impl="hybrid", stage=2),
             dict(impl="hybrid", stage=0)],
+    # ZeRO-3 (issue 3): against plain torch / DDP and FSDP2 (fully_shard per block, reshard after forward).
+    "zero3-gpu1": [dict(impl="torch"), dict(impl="hybrid", stage=3), dict(impl="fsdp2"),
+                   dict(impl="deepspeed", stage=3)],
+    "zero3-gpu2": [dict(impl="ddp"), dict(impl="hybrid", stage=3), dict(impl="fsdp2"),
+                   dict(impl="deepspeed", stage=3)],
+    "zero3-gpu2-1.3b": [dict(impl="fsdp2", model="1.3b"), dict(impl="hybrid", stage=3, model="1.3b")],
+    # Optimizer offload (1 GPU): the model still fits without offload, so plain torch is the ceiling.
+    "offload1": [dict(impl="torch", model="1.3b"), dict(impl="hybrid", stage=2, offload=True, model="1.3b"),
+                 dict(impl="hybrid", stage=2, offload=True, delayed=True, model="1.3b"),
+                 dict(impl="deepspeed", stage=2, offload=True, model="1.3b")],
 }
 
 
@@ -43,7 +56,7 @@ def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--suite", choices=list(SUITES))
     p.add_argument("--measure", action="store_true", help="one measurement (under torchrun)")
-    p.add_argument("--impl", choices=["torch", "ddp", "hybrid", "deepspeed"], default="hybrid")
+    p.add_argument("--impl", choices=["torch", "ddp", "fsdp2", "hybrid", "deepspeed"], default="hybrid")
     p.add_argument("--model", default=None, help=f"one of {list(GPT_SIZES)} (default 350m on GPU)")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None)
     p.add_argument("--stage", type=int, default=1)
@@ -51,6 +64,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--bucket", type=float, default=5e7, help="hybrid reduce_bucket_size (elements)")
+    p.add_argument("--offload", action="store_true", help="hybrid/deepspeed: optimizer offload to the CPU")
+    p.add_argument("--delayed-update", action="store_true",
+                   help="hybrid with --offload: delayed parameter update (one-step-stale parameters)")
     p.add_argument("--nproc", type=int, default=None)
     p.add_argument("--peak", type=float, default=989e12, help="dense bf16 FLOP/s per GPU for MFU")
     p.add_argument("--out", default=None, help="append result lines (JSON) to this file")
@@ -65,6 +81,8 @@ def make_step(a: argparse.Namespace, model: nn.Module, device: torch.device) -> 
         return _hybrid_step(a, model)
     if a.impl == "deepspeed":
         return _deepspeed_step(a, model)
+    if a.impl == "fsdp2":
+        return _fsdp2_step(a, model, dt)
     if a.impl == "ddp":
         model = nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
     fused = {"fused": True} if device.type == "cuda" else {"foreach": True}
@@ -95,6 +113,9 @@ def _hybrid_step(a: argparse.Namespace, model: nn.Module) -> Callable:
     cfg = {"train_micro_batch_size_per_gpu": a.mbs, "gradient_clipping": CLIP,
            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}},
            "zero_optimization": {"stage": a.stage, "reduce_bucket_size": int(a.bucket)}}
+    if a.offload:
+        cfg["zero_optimization"]["offload_optimizer"] = {
+            "device": "cpu", "pin_memory": True, "delayed_param_update": a.delayed_update}
     if a.dtype != "fp32":
         cfg[a.dtype] = {"enabled": True}
     engine, _, _, _ = hybrid_ray.initialize(model, config=cfg)
@@ -107,6 +128,25 @@ def _hybrid_step(a: argparse.Namespace, model: nn.Module) -> Callable:
     return step
 
 
+def _fsdp2_step(a: argparse.Namespace, model: nn.Module, dt: torch.dtype) -> Callable:
+    """FSDP2 as the anchor measured it: each block and the root sharded, reshard after forward."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    mp = MixedPrecisionPolicy(param_dtype=dt, reduce_dtype=torch.float32)
+    for block in model.blocks:
+        fully_shard(block, reshard_after_forward=True, mp_policy=mp)
+    fully_shard(model, reshard_after_forward=True, mp_policy=mp)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, fused=True)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = model(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+    return step
+
+
 def _deepspeed_step(a: argparse.Namespace, model: nn.Module) -> Callable:
     import deepspeed
     cfg = {"train_micro_batch_size_per_gpu": a.mbs, "gradient_accumulation_steps": 1,
@@ -115,8 +155,13 @@ def _deepspeed_step(a: argparse.Namespace, model: nn.Module) -> Callable:
                                  "reduce_bucket_size": 5e8, "allgather_bucket_size": 5e8}}
     if a.dtype != "fp32":
         cfg[a.dtype] = {"enabled": True}
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, fused=True)
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
+    if a.offload:  # DeepSpeed steps its own CPU Adam: give it the optimizer config, not a torch one
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+        cfg["optimizer"] = {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}}
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, fused=True)
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
 
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         loss = engine(x, y)
@@ -155,7 +200,9 @@ def measure(a: argparse.Namespace) -> None:
     dt = (time.perf_counter() - t0) / a.steps
     tok = a.mbs * cfg.seq_len
     flops_tok = 6 * n_params + 12 * cfg.n_layer * cfg.d_model * cfg.seq_len
-    res = dict(impl=a.impl, stage=a.stage if a.impl in ("hybrid", "deepspeed") else None,
+    sharded = a.impl in ("hybrid", "deepspeed")  # fsdp2 reports no stage
+    res = dict(impl=a.impl, stage=a.stage if sharded else None,
+               offload=a.offload and sharded, delayed_update=a.delayed_update and a.offload and sharded,
                model=a.model or "cpu-small", dtype=a.dtype, world=world, mbs=a.mbs,
                params_m=round(n_params / 1e6, 1), step_ms=round(dt * 1e3, 2), tok_s_gpu=round(tok / dt),
                mfu=round(flops_tok * tok / dt / a.peak, 4) if cuda else None,
@@ -174,8 +221,9 @@ def _sync(cuda: bool) -> None:
 
 # ---- a suite: every implementation, one after the other --------------------------------
 def run_suite(a: argparse.Namespace) -> None:
-    gpu = a.suite.startswith("gpu")
-    nproc = a.nproc or (int(a.suite[3:]) if gpu else 2)
+    gpu = a.suite != "cpu"
+    count = re.search(r"(?:gpu|offload)(\d+)", a.suite)  # gpu2, zero3-gpu2-1.3b, offload1
+    nproc = a.nproc or ((int(count.group(1)) if count else 1) if gpu else 2)
     results = []
     for spec in SUITES[a.suite]:
         if spec["impl"] == "deepspeed" and not _has("deepspeed"):
@@ -194,11 +242,13 @@ def run_suite(a: argparse.Namespace) -> None:
 
 def _launch(a: argparse.Namespace, spec: dict, nproc: int, gpu: bool) -> Optional[dict]:
     args = ["--measure", "--impl", spec["impl"], "--stage", str(spec.get("stage", 1)),
+            *(["--offload"] if spec.get("offload") else []),
+            *(["--delayed-update"] if spec.get("delayed") else []),
             "--dtype", a.dtype or ("bf16" if gpu else "fp32"), "--mbs", str(a.mbs or (8 if gpu else 4)),
             "--steps", str(a.steps or (30 if gpu else 10)), "--warmup", str(a.warmup or (8 if gpu else 3)),
             "--bucket", str(a.bucket), "--peak", str(a.peak)]
-    if a.model or gpu:
-        args += ["--model", a.model or "350m"]
+    if a.model or gpu or spec.get("model"):
+        args += ["--model", a.model or spec.get("model") or "350m"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            os.path.abspath(__file__)] + args
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -218,6 +268,7 @@ def print_table(results: List[dict]) -> None:
     print(f"\n{'implementation':<22}{'tokens/s/GPU':>14}{'ratio':>8}{'step ms':>10}{'MFU':>8}{'peak GiB':>10}")
     for r in results:
         name = r["impl"] + (f" ZeRO-{r['stage']}" if r["stage"] is not None else "")
+        name += (" +offload" if r.get("offload") else "") + (" DPU" if r.get("delayed_update") else "")
         mfu = f"{r['mfu'] * 100:.1f}%" if r["mfu"] is not None else "-"
         mem = r["peak_mem_gb"] if r["peak_mem_gb"] is not None else "-"
         print(f"{name:<22}{r['tok_s_gpu']:>14,}{r['tok_s_gpu'] / base['tok_s_gpu']:>8.3f}"

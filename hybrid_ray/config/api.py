@@ -71,22 +71,15 @@ def _check_supported(cfg: Config) -> None:
     One statement per feature: the work that implements a feature deletes its line here.
     """
     zero, ac = cfg.zero_optimization, cfg.activation_checkpointing
-    _refuse(zero.stage == 3, "zero_optimization.stage", zero.stage,
-            "allowed: 0, 1, 2 (stage 3 is planned)")
-    _refuse(zero.offload_optimizer.device != "none", "zero_optimization.offload_optimizer.device",
-            zero.offload_optimizer.device, "allowed: 'none' (optimizer offload is planned)")
+    _refuse(zero.offload_optimizer.device == "nvme", "zero_optimization.offload_optimizer.device",
+            zero.offload_optimizer.device, "allowed: 'none', 'cpu' (nvme offload is planned)")
     _refuse(zero.offload_param.device != "none", "zero_optimization.offload_param.device",
             zero.offload_param.device, "allowed: 'none' (parameter offload is planned)")
     _refuse(cfg.gradient_compression.type != "none", "gradient_compression.type",
             cfg.gradient_compression.type, "allowed: 'none' (compression is planned)")
-    _refuse(ac.enabled, "activation_checkpointing.enabled", ac.enabled,
-            "allowed: false (activation checkpointing is planned)")
     _refuse(ac.partition_activations, "activation_checkpointing.partition_activations",
-            ac.partition_activations, "allowed: false (activation checkpointing is planned)")
-    _refuse(ac.cpu_checkpointing, "activation_checkpointing.cpu_checkpointing",
-            ac.cpu_checkpointing, "allowed: false (activation checkpointing is planned)")
-    _refuse(ac.number_checkpoints is not None, "activation_checkpointing.number_checkpoints",
-            ac.number_checkpoints, "allowed: null (activation checkpointing is planned)")
+            ac.partition_activations, "allowed: false (partitioning activations across ranks "
+            "needs tensor parallelism, which is planned)")
     _refuse(cfg.flops_profiler.enabled, "flops_profiler.enabled", cfg.flops_profiler.enabled,
             "allowed: false (the flops profiler is planned)")
     _refuse(cfg.tensor_model_parallel_size > 1, "tensor_model_parallel_size",

@@ -107,6 +107,13 @@ class ZeroConfig:
     round_robin_gradients: bool = False
     """Stage 1/2: spread gradient copies across ranks round-robin."""
 
+    def validate(self, path: str) -> None:
+        """Optimizer offload moves the sharded optimizer's state: there is none at stage 0."""
+        if self.offload_optimizer.device != "none" and self.stage == 0:
+            raise config_error(f"{path}.offload_optimizer.device", "needs ZeRO stage 1 or higher",
+                               self.offload_optimizer.device,
+                               "set zero_optimization.stage to 1 or 2, or offload_optimizer.device to 'none'")
+
 
 @dataclass(frozen=True)
 class CompressionConfig:
@@ -131,19 +138,20 @@ class ActivationCheckpointingConfig:
     enabled: bool = False
     """Turn activation checkpointing on."""
     module_pattern: Optional[str] = None
-    """Regex on module qualified names selecting the checkpointed blocks."""
+    """Regex fully matching qualified module names (`blocks\\.\\d+`) selecting the checkpointed
+    blocks; None: every child of every nn.ModuleList (hybrid_ray/engine/checkpointing.py)."""
     number_checkpoints: Optional[int] = checked(None, ge=1)
-    """Number of checkpointed segments (None: every matching module)."""
+    """Checkpoint only this many of the selected modules, evenly spaced (None: all of them)."""
     cpu_checkpointing: bool = False
-    """Move checkpointed activations to CPU memory."""
+    """Keep the checkpointed blocks' saved inputs in host memory."""
     partition_activations: bool = False
-    """Shard checkpointed activations across model-parallel ranks."""
+    """Shard checkpointed activations across model-parallel ranks (not supported: needs TP)."""
     contiguous_memory_optimization: bool = False
-    """Copy checkpoints into one contiguous buffer to limit fragmentation."""
+    """Copy checkpoints into one contiguous buffer to limit fragmentation (no effect here)."""
     synchronize_checkpoint_boundary: bool = False
-    """Synchronise the device at each checkpoint boundary (debugging)."""
+    """Synchronise the device at each checkpoint boundary (debugging; no effect here)."""
     profile: bool = False
-    """Time the checkpoint forward/recompute."""
+    """Time the checkpoint forward/recompute (no effect here; use torch.profiler)."""
 
     def validate(self, path: str) -> None:
         """The module pattern must compile."""

@@ -21,8 +21,10 @@ import torch
 import torch.nn as nn
 
 from ..config import Config, load_config
-from . import build, relayout
+from . import build, relayout, stage3
+from .checkpointing import apply_activation_checkpointing
 from .loss_scaler import LossScaler, NoLossScaler, build_loss_scaler
+from .offload import HostOffload
 from .precision import HALF, PrecisionPolicy, autocast_region, cast_floating, dtype_of
 from .reducer import GradReducer
 from .schedulers import build_scheduler
@@ -54,6 +56,7 @@ class Engine:
         self._last: Optional[StepOutcome] = None
         self._groups = build.param_groups(model, model_parameters, optimizer)
         self._build_precision(self._scheduled_dtype(0))
+        self.checkpointing = apply_activation_checkpointing(self.module, self.config.activation_checkpointing)
         self._build_zero(self._groups)
         self.optimizer = self._build_optimizer(self._groups, optimizer)
         self.lr_scheduler = lr_scheduler if lr_scheduler is not None else \
@@ -75,13 +78,26 @@ class Engine:
 
     def _build_zero(self, groups: List[build.ParamGroup], broadcast: bool = True) -> None:
         zc, topo = self.config.zero_optimization, self.topology
+        # Stage 3 with one rank has nothing to partition: it runs as stage 2.
+        partition_params = zc.stage == 3 and topo.world_size > 1
         num_shards = topo.world_size if zc.stage >= 1 else 1
-        self.spaces = build.build_spaces(groups, topo.device, zc.reduce_bucket_size, num_shards, topo.rank)
+        if partition_params:
+            self.spaces, unit_of_space, unit_mods = stage3.build_stage3_spaces(
+                self.module, groups, topo.device, zc.reduce_bucket_size, topo,
+                zc.stage3_param_persistence_threshold)
+        else:
+            self.spaces = build.build_spaces(groups, topo.device, zc.reduce_bucket_size, num_shards, topo.rank)
         if broadcast:
             build.broadcast_state(self.spaces, self.module, topo)
         reduce_dtype = dtype_of(self.config.communication_data_type or "fp32")
-        self.reducer = GradReducer(self.spaces, topo, zc.stage, reduce_dtype, zc.overlap_comm, zc.reduce_scatter)
+        offload = HostOffload.from_config(zc.offload_optimizer, topo.device)  # None unless device: cpu
+        self.reducer = GradReducer(self.spaces, topo, min(zc.stage, 2), reduce_dtype, zc.overlap_comm,
+                                   zc.reduce_scatter, offload)
         self.zero = ZeroOptimizer(self.spaces, self.reducer, topo)
+        self.stage3: Optional[stage3.Stage3Controller] = None
+        if partition_params:  # after the masters are built from the whole parameters
+            self.stage3 = stage3.build_controller(self.spaces, unit_of_space, unit_mods, topo,
+                                                  zc.stage3_prefetch_bucket_size)
 
     def _note_no_effect_settings(self) -> None:
         defaults = load_config({}).flat_dict()
@@ -102,7 +118,7 @@ class Engine:
         else:
             oc = self.config.optimizer
             opt = build.build_optimizer(oc.type, oc.params, masters, [h for _, h in groups],
-                                        self.topology.device)
+                                        self.zero.master_device, host_step=self.zero.offload is not None)
         self.zero.optimizer = opt
         return opt
 
@@ -137,13 +153,13 @@ class Engine:
 
     def _switch_precision(self, base: str) -> None:
         """Re-lay the parameters out for a new base dtype; fp32 masters and optimizer state carry over."""
+        self.zero.close()  # a delayed update lands first; the new layout gets a new offload
         state = relayout.export_state(self.spaces, self.zero.masters, self.optimizer, self.topology)
         scalars = relayout.scalar_state(self.optimizer, self.zero.masters)
         for params, _ in self._groups:
             for p in params:
                 p.data = state[id(p)]["master"].clone()  # fp32, off the old flat buffers
-        self.precision_plan.remove()
-        self.reducer.remove_hooks()
+        self._remove_hooks()
         self._build_precision(base)
         self._build_zero(self._groups, broadcast=False)
         build.rebind_client_optimizer(self.optimizer, self._master_groups())
@@ -158,8 +174,12 @@ class Engine:
         """Run the model under the base precision; floating outputs come back as fp32."""
         if self.config.fp16.auto_cast and self.compute_dtype == torch.float16:
             args, kwargs = cast_floating(args, torch.float16), cast_floating(kwargs, torch.float16)
+        if self.stage3 is not None:
+            self.stage3.before_forward()
         with autocast_region(self.topology.device.type, self.compute_dtype):
             out = self.module(*args, **kwargs)
+        if self.stage3 is not None:
+            self.stage3.after_forward()
         if self.config.precision.fp32_outputs and self.compute_dtype in HALF:
             out = cast_floating(out, torch.float32)
         return out
@@ -173,9 +193,13 @@ class Engine:
         if self.micro_steps % gas == 0:
             self.reducer.start_window()
         self.reducer.before_backward(self.is_gradient_accumulation_boundary())
+        if self.stage3 is not None:
+            self.stage3.before_backward()
         scaled = loss.float() * (self._scaler.loss_scale / gas)
         scaled.backward()
         self.reducer.after_backward()
+        if self.stage3 is not None:
+            self.stage3.after_backward()
         return loss
 
     def step(self) -> None:
@@ -224,15 +248,29 @@ class Engine:
 
         The model keeps its current weights (as views of the engine's flat buffers). Call before
         `dist.destroy_process_group()` when an engine is rebuilt in a live process (elastic
-        resizes, precision switches do this internally).
+        resizes, precision switches do this internally). Collective when a delayed parameter
+        update is still in flight (it lands first): every rank calls it.
         """
+        self.zero.close()
+        self.checkpointing.remove()
+        self._remove_hooks()
+        self.reducer.grads.clear()
+
+    def _remove_hooks(self) -> None:
         self.precision_plan.remove()
         self.reducer.remove_hooks()
-        self.reducer.grads.clear()
+        if self.stage3 is not None:
+            self.stage3.remove()
 
     def zero_grad(self) -> None:
         """Clear accumulated gradients (the engine also does this at each window's start)."""
         self.reducer.start_window()
+
+    def finish_delayed_update(self) -> None:
+        """With `offload_optimizer.delayed_param_update`, land the update still running on the
+        host, so the parameters are those of the last step; call before reading, evaluating or
+        saving the weights. A no-op otherwise. Collective: every rank calls it."""
+        self.zero.flush()
 
     # ---- state and accessors ----------------------------------------------------------
     def train(self, mode: bool = True) -> "Engine":
@@ -242,6 +280,14 @@ class Engine:
     def eval(self) -> "Engine":
         self.module.eval()
         return self
+
+    def consolidated_state_dict(self, dtype: torch.dtype = torch.float32,
+                                rank0_only: bool = True) -> dict:
+        """The full model state on the CPU of rank 0 (every rank with rank0_only=False), from the
+        fp32 masters, for export: works at every stage, gathering one flat space at a time.
+        All ranks must call it."""
+        return relayout.consolidated_state_dict(self.module, self.spaces, self.zero.masters,
+                                                self.topology, dtype, rank0_only)
 
     def memory_breakdown(self) -> dict:
         """Bytes held by this rank for parameters, gradients, masters and optimizer state."""

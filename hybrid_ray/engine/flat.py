@@ -13,7 +13,7 @@ those slices, in bucket order.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -82,13 +82,17 @@ class FlatSpace:
         self.numel = self.buckets[-1].start + self.buckets[-1].numel if self.buckets else 0
         self.flat = torch.zeros(self.numel, dtype=dtype, device=device)
         self.bucket_of: Dict[int, Bucket] = {}
+        self.shapes: Dict[int, torch.Size] = {id(p): p.shape for p in self.params}
         for bucket in self.buckets:
             for p, off in zip(bucket.params, bucket.offsets):
-                view = self.flat[off:off + p.numel()].view_as(p)
+                view = self.flat[off:off + p.numel()].view(self.shapes[id(p)])
                 view.copy_(p.data)
                 p.data = view
                 self.bucket_of[id(p)] = bucket
         self.shard_numel = sum(b.numel // num_shards for b in self.buckets)
+        # Stage 3 only: this rank's slices, the sole persistent copy of the parameters; the full
+        # `flat` storage then exists only while the unit is gathered.
+        self.local_shard: Optional[torch.Tensor] = None
 
     def shard_slices(self) -> List[Tuple[Bucket, int, int, int]]:
         """(bucket, begin in flat, end in flat, begin in the shard) for this rank's slices."""
@@ -105,15 +109,16 @@ class FlatSpace:
         return torch.cat(parts) if len(parts) > 1 else parts[0].clone()
 
     def views_of(self, flat: torch.Tensor) -> List[torch.Tensor]:
-        """Views of a flat-sized buffer shaped like each parameter (for .grad)."""
+        """Views of a flat-sized buffer shaped like each parameter (for .grad, or stage 3's gather)."""
         out = []
         for bucket in self.buckets:
             for p, off in zip(bucket.params, bucket.offsets):
-                out.append(flat[off:off + p.numel()].view_as(p))
+                shape = self.shapes[id(p)]
+                out.append(flat[off:off + shape.numel()].view(shape))
         return out
-
-    def ordered_params(self) -> List[nn.Parameter]:
-        return [p for b in self.buckets for p in b.params]
 
     def param_offsets(self) -> List[Tuple[nn.Parameter, int]]:
         return [(p, off) for b in self.buckets for p, off in zip(b.params, b.offsets)]
+
+    def ordered_params(self) -> List[nn.Parameter]:
+        return [p for b in self.buckets for p in b.params]

@@ -12,30 +12,39 @@ Stage 2: no rank keeps whole gradients. Autograd's gradient for each parameter i
 With `overlap_comm` the collectives are launched from `register_post_accumulate_grad_hook` the
 moment a bucket's last gradient lands, so they run while backward computes the earlier layers.
 With one rank nothing is reduced: the master gradient is one cast-copy of the flat gradient.
+
+A bucket's first reduction in a window overwrites its slice of the master gradient; later ones
+(stage 2's further micro-batches) add to it, so the master gradient is never zeroed.
+
+With optimizer offload (offload.py) the master gradient is a persistent host buffer: a reduced
+bucket lands there through the offload's side-stream copy as soon as its collective finishes,
+and with one rank the buckets are streamed to the host from the same hooks (nothing to reduce).
 """
 from __future__ import annotations
 
 import weakref
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Set
 
 import torch
 import torch.distributed as dist
 
 from . import comm
 from .flat import Bucket, FlatSpace
+from .offload import HostOffload
 from .topology import Topology
 
 
 class SpaceGrads:
     """The gradient side of one FlatSpace: flat gradient buffer and fp32 master gradient."""
 
-    def __init__(self, space: FlatSpace, keep_flat_grads: bool):
-        self.space = space
-        # The fp32 master gradient lives only from the first reduction into it to the end of
-        # the step: stages 0/1 reduce at the boundary, stage 2 from the first micro-batch of
-        # the window on (it accumulates the micro-batches, so it starts zeroed).
-        self.accumulates = not keep_flat_grads
+    def __init__(self, space: FlatSpace, keep_flat_grads: bool, index: int = 0,
+                 offload: Optional[HostOffload] = None):
+        self.space, self.index, self.offload = space, index, offload
+        # On the device the fp32 master gradient lives only from the first reduction into it to
+        # the end of the step: stages 0/1 reduce at the boundary, stage 2 from the first
+        # micro-batch of the window on. Offloaded, it is a persistent host buffer.
         self.master_grad: Optional[torch.Tensor] = None
+        self.landed: Set[int] = set()  # buckets reduced into the master gradient this window
         self.flat_grad: Optional[torch.Tensor] = None
         if keep_flat_grads:
             self.flat_grad = torch.zeros(space.numel, dtype=space.dtype, device=space.device)
@@ -64,12 +73,22 @@ class SpaceGrads:
 
     def ensure_master_grad(self) -> torch.Tensor:
         if self.master_grad is None:
-            alloc = torch.zeros if self.accumulates else torch.empty  # empty: fully overwritten
-            self.master_grad = alloc(self.space.shard_numel, dtype=torch.float32, device=self.space.device)
+            numel = self.space.shard_numel
+            if self.offload is not None:
+                self.master_grad = self.offload.grad_buffer(self.index, numel)
+            else:  # empty: every bucket's first landing of the window overwrites its slice
+                self.master_grad = torch.empty(numel, dtype=torch.float32, device=self.space.device)
         return self.master_grad
 
     def release_master_grad(self) -> None:
         self.master_grad = None
+        self.landed.clear()
+
+    def mark_landed(self, bucket: Bucket) -> bool:
+        """Record a reduction of `bucket`; True when it must add to an earlier one (accumulate)."""
+        accumulate = bucket.index in self.landed
+        self.landed.add(bucket.index)
+        return accumulate
 
     def master_slice(self, bucket: Bucket) -> torch.Tensor:
         off = self.shard_offset[bucket.index]
@@ -80,21 +99,23 @@ class GradReducer:
     """Moves gradients into master gradients, overlapped with backward where asked."""
 
     def __init__(self, spaces: List[FlatSpace], topo: Topology, stage: int,
-                 reduce_dtype: torch.dtype, overlap: bool, use_reduce_scatter: bool):
-        self.topo, self.stage = topo, stage
+                 reduce_dtype: torch.dtype, overlap: bool, use_reduce_scatter: bool,
+                 offload: Optional[HostOffload] = None):
+        self.topo, self.stage, self.offload = topo, stage, offload
         self.reduce_dtype = reduce_dtype
         self.distributed = topo.world_size > 1
         self.partitioned_grads = stage >= 2 and self.distributed
         self.sharded = stage >= 1 and self.distributed  # masters differ between ranks
-        self.overlap = overlap and self.distributed
+        # Buckets travel from the hooks when they must be reduced, or (offload) copied to the host.
+        self.streams = self.distributed or offload is not None
+        self.overlap = overlap and self.streams
         self.use_reduce_scatter = use_reduce_scatter
         # Half-precision sums over many ranks can overflow: divide before reducing. fp32 sums
         # are divided after, folded into the single unscale multiply of the step.
         self.predivide = self.distributed and reduce_dtype != torch.float32
-        self.grads = [SpaceGrads(s, keep_flat_grads=not self.partitioned_grads) for s in spaces]
+        self.grads = [SpaceGrads(s, not self.partitioned_grads, i, offload) for i, s in enumerate(spaces)]
         self._armed = False
         self._inflight: List[Callable[[], None]] = []
-        self._accumulate = False
         self._hooks = []
         if self.overlap:
             self._register_hooks()
@@ -110,8 +131,7 @@ class GradReducer:
 
     def before_backward(self, boundary: bool) -> None:
         """Arm the bucket hooks when this backward must reduce (stage 2: every micro-batch)."""
-        self._armed = self.distributed and (boundary or self.partitioned_grads)
-        self._accumulate = self.partitioned_grads
+        self._armed = self.streams and (boundary or self.partitioned_grads)
         for g in self.grads:
             g.pending = {b.index: len(b.params) for b in g.space.buckets}
 
@@ -130,7 +150,7 @@ class GradReducer:
 
     def finish_window(self) -> None:
         """Single rank: the master gradient is the flat gradient, cast to fp32."""
-        if self.distributed:
+        if self.streams:  # done bucket by bucket during backward
             return
         for g in self.grads:
             master_grad = g.ensure_master_grad()
@@ -168,29 +188,42 @@ class GradReducer:
         return hook
 
     def _launch(self, g: SpaceGrads, b: Bucket) -> None:
-        data = g.bucket_input(b, self.reduce_dtype)
+        # One rank (offload only): widened to fp32 on the device, the copy lands directly in the
+        # host master gradient (a host-side widen costs more than the extra bytes, which
+        # travel while backward runs).
+        data = g.bucket_input(b, self.reduce_dtype if self.distributed else torch.float32)
         if self.predivide:
             data = data / self.topo.world_size
         out = g.master_slice(b)
+        accumulate = g.mark_landed(b)
         group = self.topo.group
-        if g.space.num_shards == 1:  # stage 0: every rank gets the whole sum
+        work: Optional[dist.Work] = None
+        if not self.distributed:  # offload with one rank: nothing to reduce, only to copy
+            result = data
+        elif g.space.num_shards == 1:  # stage 0: every rank gets the whole sum
             work = dist.all_reduce(data, group=group, async_op=True)
             result = data
         elif self.use_reduce_scatter:
-            direct = out.dtype == data.dtype and not self._accumulate
+            direct = out.dtype == data.dtype and out.device == data.device and not accumulate
             result = out if direct else torch.empty(out.numel(), dtype=data.dtype, device=data.device)
             work = comm.reduce_scatter(result, data, group=group, async_op=True)
         else:  # reduce_scatter: false -> all-reduce and keep this rank's slice
             work = dist.all_reduce(data, group=group, async_op=True)
             lo = self.topo.rank * out.numel()
             result = data[lo:lo + out.numel()]
-        self._inflight.append(lambda: self._finish(work, result, out))
+        if result.device != out.device:  # offloaded to the host: copy on the side stream now
+            self._inflight.append(self.offload.land(work, result, out, accumulate, data))
+        else:
+            self._inflight.append(lambda: self._finish(work, result, out, accumulate))
 
-    def _finish(self, work: dist.Work, result: torch.Tensor, out: torch.Tensor) -> None:
-        work.wait()
+    @staticmethod
+    def _finish(work: Optional[dist.Work], result: torch.Tensor, out: torch.Tensor,
+                accumulate: bool) -> None:
+        if work is not None:
+            work.wait()
         if result is out:
             return
-        if self._accumulate:
+        if accumulate:
             out.add_(result)
         else:
             out.copy_(result)

@@ -22,7 +22,8 @@ def full_flat(space: FlatSpace, shard: torch.Tensor, topo: Topology) -> torch.Te
     """The whole flat-sized tensor, from every rank's shard of it (one all-gather per bucket)."""
     if space.num_shards == 1:
         return shard
-    full = torch.empty(space.numel, dtype=shard.dtype, device=shard.device)
+    shard = shard.to(space.device)  # offloaded masters live on the host; NCCL gathers device tensors
+    full = torch.empty(space.numel, dtype=shard.dtype, device=space.device)
     for bucket, lo, hi, off in space.shard_slices():
         comm.all_gather(full[bucket.start:bucket.start + bucket.numel], shard[off:off + hi - lo],
                         group=topo.group)
@@ -33,7 +34,7 @@ def shard_from_params(space: FlatSpace, values: Dict[int, torch.Tensor]) -> torc
     """This rank's fp32 shard of a space, filled from one full tensor per parameter."""
     full = torch.zeros(space.numel, dtype=torch.float32, device=space.device)
     for p, off in space.param_offsets():
-        full[off:off + p.numel()].copy_(values[id(p)].reshape(-1))
+        full[off:off + space.shapes[id(p)].numel()].copy_(values[id(p)].reshape(-1))
     return space.gather_shard(full)
 
 
@@ -48,7 +49,8 @@ def export_state(spaces: List[FlatSpace], masters: List[torch.Tensor],
                 tensors[key] = value
         fulls = {key: full_flat(space, t, topo) for key, t in tensors.items()}
         for p, off in space.param_offsets():
-            out[id(p)] = {key: f[off:off + p.numel()].view_as(p).clone() for key, f in fulls.items()}
+            shape = space.shapes[id(p)]  # not p.shape: a released stage-3 parameter is empty
+            out[id(p)] = {key: f[off:off + shape.numel()].view(shape).clone() for key, f in fulls.items()}
     return out
 
 
@@ -70,6 +72,36 @@ def import_state(spaces: List[FlatSpace], masters: List[torch.nn.Parameter],
             master.copy_(shard_from_params(space, {id(p): state[id(p)]["master"] for p in space.params}))
         entry = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in scalars.items()}
         for key in keys - {"master"}:
-            entry[key] = shard_from_params(space, {id(p): state[id(p)][key] for p in space.params})
+            values = {id(p): state[id(p)][key] for p in space.params}
+            entry[key] = shard_from_params(space, values).to(master.device)  # host when offloaded
         if len(entry) > len(scalars) or scalars:
             optimizer.state[master] = entry
+
+
+def consolidated_state_dict(module: torch.nn.Module, spaces: List[FlatSpace],
+                            masters: List[torch.Tensor], topo: Topology, dtype: torch.dtype,
+                            rank0_only: bool = True) -> Dict[str, torch.Tensor]:
+    """The whole model's state (parameters from the fp32 masters, plus buffers) on the CPU.
+
+    Space by space: every rank all-gathers one space's master at a time, so no rank ever holds
+    more than one space in full on its device; the result accumulates in host memory on rank 0
+    (on every rank with rank0_only=False). Tied parameters appear under each of their names, as
+    in `module.state_dict()`.
+    """
+    keep = topo.rank == 0 or not rank0_only
+    values: Dict[int, torch.Tensor] = {}
+    for space, master in zip(spaces, masters):
+        full = full_flat(space, master.detach(), topo)
+        if keep:
+            for p, off in space.param_offsets():
+                shape = space.shapes[id(p)]
+                values[id(p)] = full[off:off + shape.numel()].view(shape).to("cpu", dtype)
+        del full
+    if not keep:
+        return {}
+    out: Dict[str, torch.Tensor] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        out[name] = values[id(p)] if id(p) in values else p.detach().to("cpu", dtype)
+    for name, b in module.named_buffers(remove_duplicate=False):
+        out[name] = b.detach().to("cpu")
+    return out

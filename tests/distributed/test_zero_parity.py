@@ -34,8 +34,17 @@ SCENARIOS: Dict[str, Tuple[int, int, float, dict]] = {
     "s1_bf16_reduce": (1, 1, 0.0, {"communication_data_type": "bf16"}),
     "s2_fp16_reduce": (2, 2, 0.05, {"communication_data_type": "fp16"}),
 }
+# Stage 3: a low persistence threshold so the blocks' matrices are really partitioned.
+S3 = {"stage3_param_persistence_threshold": 1000, "stage3_prefetch_bucket_size": 5000}
+SCENARIOS.update({
+    "s3": (3, 1, 0.0, S3),
+    "s3_acc_clip": (3, 2, 0.05, S3),
+    "s3_no_prefetch": (3, 1, 0.05, {**S3, "stage3_prefetch_bucket_size": 0}),
+    # Recomputed blocks run their forward again inside backward, after the unit was re-gathered.
+    "s3_checkpointed": (3, 2, 0.05, {**S3, "activation_checkpointing": {"enabled": True}}),
+})
 HALF_REDUCE_TOLERANCE = {"s1_bf16_reduce": 1e-1, "s2_fp16_reduce": 5e-2}  # observed <= 4e-2, 2.3e-2
-FOUR_RANKS = ["s0_acc_clip", "s1", "s2_acc_clip", "s2_fp16_reduce"]
+FOUR_RANKS = ["s0_acc_clip", "s1", "s2_acc_clip", "s2_fp16_reduce", "s3_acc_clip"]
 
 
 def batch(step: int, k: int, rank: int, world: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -51,9 +60,11 @@ def batch(step: int, k: int, rank: int, world: int) -> Tuple[torch.Tensor, torch
 def config(stage: int, gas: int, clip: float, extra: dict) -> dict:
     extra = dict(extra)
     comm_dtype = extra.pop("communication_data_type", None)
+    checkpointing = extra.pop("activation_checkpointing", {})
     zero = {"stage": stage, "reduce_bucket_size": 3000, **extra}
     return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas,
             "gradient_clipping": clip, "zero_optimization": zero, "communication_data_type": comm_dtype,
+            "activation_checkpointing": checkpointing,
             "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}}}
 
 
@@ -68,7 +79,10 @@ def train_engine(rank: int, world: int, names: List[str], out: str) -> None:
                 engine.backward(loss)
                 engine.step()
         assert engine.global_steps == STEPS and engine.skipped_steps == 0
-        state = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+        full = engine.consolidated_state_dict(rank0_only=False)  # stage 3 holds only shards
+        state = {n: full[n] for n, _ in engine.module.named_parameters()}
+        if stage < 3:  # the live parameters are the rounded masters (fp32 here: equal)
+            assert all(torch.equal(p, state[n]) for n, p in engine.module.named_parameters())
         torch.save(state, Path(out) / f"{name}-w{world}-r{rank}.pt")
 
 

@@ -45,9 +45,9 @@ def test_unknown_key_is_one_line_and_exit_2(tmp_path, capsys):
 
 
 def test_not_supported_feature_is_refused(tmp_path, capsys):
-    code, _, err = check(write(tmp_path, {"zero_optimization": {"stage": 3}}), capsys)
+    code, _, err = check(write(tmp_path, {"tensor_model_parallel_size": 4}), capsys)
     assert code == 2
-    assert err.startswith("error: zero_optimization.stage: not supported yet; got 3")
+    assert err.startswith("error: tensor_model_parallel_size: not supported yet; got 4")
 
 
 def test_bad_key_inside_job_file_names_its_section(tmp_path, capsys):
@@ -71,11 +71,11 @@ def test_missing_file_and_bad_json(tmp_path, capsys):
 
 def test_console_script_entry_point(tmp_path):
     """The same through a real process: what a user's shell sees (exit status, stderr)."""
-    path = write(tmp_path, {"zero_optimization": {"stage": 3}})
+    path = write(tmp_path, {"tensor_model_parallel_size": 4})
     proc = subprocess.run([sys.executable, "-m", "hybrid_ray.cli", "config", "check", path],
                           capture_output=True, text=True, cwd=REPO)
     assert proc.returncode == 2
-    assert proc.stderr.startswith("error: zero_optimization.stage: not supported yet")
+    assert proc.stderr.startswith("error: tensor_model_parallel_size: not supported yet")
 
 
 def test_train_rejects_a_bad_job_file_before_starting_processes(tmp_path, capsys):

@@ -307,11 +307,9 @@ def test_bad_key_in_a_json_file(tmp_path: Path) -> None:
         hybrid_ray.initialize(mlp(), config_params=str(path))
 
 
-def test_stage_3_is_not_supported_yet() -> None:
-    # The seed's section 4.3 snippet, with a batch size so only the stage is at fault.
-    cfg = {"train_micro_batch_size_per_gpu": 1,
-           "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}
-    with pytest.raises(NotSupportedError, match=r"zero_optimization\.stage: not supported yet; got 3"):
+def test_unbuilt_feature_is_not_supported_yet() -> None:
+    cfg = {"train_micro_batch_size_per_gpu": 1, "tensor_model_parallel_size": 4}
+    with pytest.raises(NotSupportedError, match=r"tensor_model_parallel_size: not supported yet; got 4"):
         hybrid_ray.initialize(mlp(), config_params=cfg)
 
 

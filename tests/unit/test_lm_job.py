@@ -47,8 +47,10 @@ def test_job_file_errors_name_the_section():
         load_job({"engine": {}, "train": {}})
     with pytest.raises(ConfigError, match=r"^egnine: unknown key; did you mean 'engine'\?"):
         load_job({"engine": {}, "egnine": {}, "train": {"steps": 1}})
-    with pytest.raises(NotSupportedError, match=r"^\[engine\] activation_checkpointing.enabled"):
-        load_job({"engine": {"activation_checkpointing": {"enabled": True}}, "train": {"steps": 1}})
+    with pytest.raises(NotSupportedError,
+                       match=r"^\[engine\] activation_checkpointing.partition_activations"):
+        load_job({"engine": {"activation_checkpointing": {"partition_activations": True}},
+                  "train": {"steps": 1}})
     with pytest.raises(ConfigError, match=r"^engine: missing required section"):
         load_job({"train_micro_batch_size_per_gpu": 4})
 
