@@ -119,7 +119,11 @@ def _hybrid_step(a: argparse.Namespace, model: nn.Module) -> Callable:
     if a.dtype != "fp32":
         cfg[a.dtype] = {"enabled": True}
     engine, _, _, _ = hybrid_ray.initialize(model, config=cfg)
+    return _engine_step(engine)
 
+
+def _engine_step(engine) -> Callable:
+    """One step of a DeepSpeed-style engine (ours or DeepSpeed's): forward, backward, step."""
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         loss = engine(x, y)
         engine.backward(loss)
@@ -162,13 +166,7 @@ def _deepspeed_step(a: argparse.Namespace, model: nn.Module) -> Callable:
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, fused=True)
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
-
-    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        return loss
-    return step
+    return _engine_step(engine)
 
 
 def measure(a: argparse.Namespace) -> None:

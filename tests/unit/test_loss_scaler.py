@@ -18,6 +18,7 @@ from hybrid_ray.engine.loss_scaler import (
     UserLossScaler,
     build_loss_scaler,
 )
+from tests.seed_examples import CustomLossScaler  # the seed's section 4.2 class, verbatim
 
 T, F = True, False
 
@@ -31,17 +32,6 @@ def run(scaler: LossScaler, flags: Iterable[bool]) -> list[float]:
     return scales
 
 
-# The seed's class, verbatim.
-class CustomLossScaler:
-    def __init__(self, init_scale=2**16):
-        self.current_scale = init_scale
-        self.scale_factor = 2
-        self.unscaled_loss = 0
-    def update_scale(self, has_overflow):
-        if has_overflow:
-            self.current_scale /= self.scale_factor
-        else:
-            self.current_scale *= self.scale_factor
 
 
 def test_defaults_match_deepspeed() -> None:

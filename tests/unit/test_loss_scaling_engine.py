@@ -17,23 +17,13 @@ import torch.nn.functional as F
 
 import hybrid_ray
 from hybrid_ray import LossScaleUnderflowError, NonFiniteGradientError
+from tests.seed_examples import CustomLossScaler  # the seed's section 4.2 class, verbatim
 
 T, F_ = True, False
 WARMUP = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2,
                                          "warmup_num_steps": 100, "warmup_type": "linear"}}
 
 
-# The seed's class (section 4.2), verbatim.
-class CustomLossScaler:
-    def __init__(self, init_scale=2**16):
-        self.current_scale = init_scale
-        self.scale_factor = 2
-        self.unscaled_loss = 0
-    def update_scale(self, has_overflow):
-        if has_overflow:
-            self.current_scale /= self.scale_factor
-        else:
-            self.current_scale *= self.scale_factor
 
 
 def make_engine(dtype: str = "fp16", loss_scaler: object = None, **extra: object):
