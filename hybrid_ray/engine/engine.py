@@ -177,12 +177,22 @@ class Engine:
         if self.stage3 is not None:
             self.stage3.before_forward()
         with autocast_region(self.topology.device.type, self.compute_dtype):
-            out = self.module(*args, **kwargs)
+            out = self._run_module(args, kwargs)
         if self.stage3 is not None:
             self.stage3.after_forward()
         if self.config.precision.fp32_outputs and self.compute_dtype in HALF:
             out = cast_floating(out, torch.float32)
         return out
+
+    def _run_module(self, args: tuple, kwargs: dict) -> Any:
+        if self.stage3 is None:
+            return self.module(*args, **kwargs)
+        try:
+            return self.module(*args, **kwargs)
+        except RuntimeError as e:  # most likely an empty (released) parameter read out of turn
+            raise RuntimeError(f"{e} [ZeRO-3: between uses a block's parameters are empty tensors; "
+                               "a parameter read outside its own module's forward must be declared "
+                               "with hybrid_ray.register_external_parameter(module, param)]") from e
 
     def is_gradient_accumulation_boundary(self) -> bool:
         return (self.micro_steps + 1) % self.batch.gradient_accumulation_steps == 0

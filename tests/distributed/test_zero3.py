@@ -73,6 +73,11 @@ def run(rank: int, world: int, out: str) -> None:
         eval_loss = engine(x, y).item()
     assert engine.module.blocks[2][0].weight.numel() == 0  # released again after evaluation
     full = engine.consolidated_state_dict()
+    # Without the declaration the head reads block 0's released (empty) weight: a clear error.
+    torch.manual_seed(0)
+    undeclared = Engine(Awkward(external=False), config(3), topology=Topology.from_environment())
+    with pytest.raises(RuntimeError, match="register_external_parameter"):
+        undeclared(*data(0, rank, world))
     if rank == 0:
         torch.save({"state": full, "eval_loss": eval_loss,
                     "memory": engine.memory_breakdown()}, Path(out) / "rank0.pt")
