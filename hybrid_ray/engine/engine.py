@@ -92,7 +92,7 @@ class Engine:
         reduce_dtype = dtype_of(self.config.communication_data_type or "fp32")
         offload = HostOffload.from_config(zc.offload_optimizer, topo.device)  # None unless device: cpu
         self.reducer = GradReducer(self.spaces, topo, min(zc.stage, 2), reduce_dtype, zc.overlap_comm,
-                                   zc.reduce_scatter, offload)
+                                   zc.reduce_scatter, offload, max_inflight=2 if partition_params else None)
         self.zero = ZeroOptimizer(self.spaces, self.reducer, topo)
         self.stage3: Optional[stage3.Stage3Controller] = None
         if partition_params:  # after the masters are built from the whole parameters
@@ -298,6 +298,24 @@ class Engine:
         All ranks must call it."""
         return relayout.consolidated_state_dict(self.module, self.spaces, self.zero.masters,
                                                 self.topology, dtype, rank0_only)
+
+    def save_checkpoint(self, save_dir: str, tag: Optional[str] = None,
+                        client_state: Optional[dict] = None) -> str:
+        """Write a checkpoint (local path or pyarrow.fs URI) loadable at any world size and
+        ZeRO stage; see checkpoint.py. Collective: every rank calls it."""
+        from .checkpoint import save_checkpoint
+        return save_checkpoint(self, save_dir, tag, client_state)
+
+    def load_checkpoint(self, load_dir: str, tag: Optional[str] = None, load_optimizer_states: bool = True,
+                        load_lr_scheduler_states: bool = True, load_module_only: bool = False):
+        """(path, client_state) of the checkpoint loaded (tag None: `latest`, falling back to the
+        newest good one), or (None, None). Collective: every rank calls it."""
+        from .checkpoint import load_checkpoint
+        out = load_checkpoint(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
+                              load_module_only)
+        if out[0] is not None:
+            self._apply_schedule()
+        return out
 
     def memory_breakdown(self) -> dict:
         """Bytes held by this rank for parameters, gradients, masters and optimizer state."""

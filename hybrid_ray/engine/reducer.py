@@ -100,8 +100,13 @@ class GradReducer:
 
     def __init__(self, spaces: List[FlatSpace], topo: Topology, stage: int,
                  reduce_dtype: torch.dtype, overlap: bool, use_reduce_scatter: bool,
-                 offload: Optional[HostOffload] = None):
+                 offload: Optional[HostOffload] = None, max_inflight: Optional[int] = None):
         self.topo, self.stage, self.offload = topo, stage, offload
+        # A collective holds its input (the packed bucket) until someone waits on it. Stage 3
+        # packs one whole unit per bucket, so keeping every reduction of a backward in flight
+        # holds all units' packed gradients at once; finishing the oldest beyond this many (as
+        # FSDP2 does with one) bounds that. None: wait only at the end of backward.
+        self.max_inflight = max_inflight
         self.reduce_dtype = reduce_dtype
         self.distributed = topo.world_size > 1
         self.partitioned_grads = stage >= 2 and self.distributed
@@ -215,6 +220,8 @@ class GradReducer:
             self._inflight.append(self.offload.land(work, result, out, accumulate, data))
         else:
             self._inflight.append(lambda: self._finish(work, result, out, accumulate))
+            if self.max_inflight is not None and len(self._inflight) > self.max_inflight:
+                self._inflight.pop(0)()
 
     @staticmethod
     def _finish(work: Optional[dist.Work], result: torch.Tensor, out: torch.Tensor,
