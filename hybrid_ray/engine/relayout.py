@@ -44,7 +44,9 @@ def export_state(spaces: List[FlatSpace], masters: List[torch.Tensor],
     out: ParamState = {}
     for space, master in zip(spaces, masters):
         tensors = {"master": master.detach()}
-        for key, value in optimizer.state.get(master, {}).items():
+        state = optimizer.state.get(master, {})
+        for key in sorted(state):  # one order on every rank: the gathers below are collective
+            value = state[key]
             if torch.is_tensor(value) and value.shape == master.shape:
                 tensors[key] = value
         fulls = {key: full_flat(space, t, topo) for key, t in tensors.items()}
@@ -71,7 +73,7 @@ def import_state(spaces: List[FlatSpace], masters: List[torch.nn.Parameter],
         with torch.no_grad():
             master.copy_(shard_from_params(space, {id(p): state[id(p)]["master"] for p in space.params}))
         entry = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in scalars.items()}
-        for key in keys - {"master"}:
+        for key in sorted(keys - {"master"}):  # sorted: a set's order differs between processes
             values = {id(p): state[id(p)][key] for p in space.params}
             entry[key] = shard_from_params(space, values).to(master.device)  # host when offloaded
         if len(entry) > len(scalars) or scalars:
