@@ -82,16 +82,20 @@ def make_step(a: argparse.Namespace, model: nn.Module, device: torch.device) -> 
     if a.impl == "deepspeed":
         return _deepspeed_step(a, model)
     if a.impl == "fsdp2":
-        return _fsdp2_step(a, model, dt)
+        return _fsdp2_step(model, device, dt)
     if a.impl == "ddp":
         model = nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
     fused = {"fused": True} if device.type == "cuda" else {"foreach": True}
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, **fused)
     scaler = torch.amp.GradScaler(device.type) if a.dtype == "fp16" else None
-    use_autocast = dt != torch.float32
+    return _torch_step(model, opt, device.type, dt, dt != torch.float32, scaler)
 
+
+def _torch_step(model: nn.Module, opt: torch.optim.Optimizer, device_type: str, dt: torch.dtype,
+                use_autocast: bool, scaler: Optional[torch.amp.GradScaler]) -> Callable:
+    """One step of a plain torch loop (torch, DDP, FSDP2): autocast, clip, step, zero_grad."""
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        with torch.autocast(device.type, dtype=dt, enabled=use_autocast):
+        with torch.autocast(device_type, dtype=dt, enabled=use_autocast):
             loss = model(x, y)
         if scaler:
             scaler.scale(loss).backward()
@@ -132,23 +136,17 @@ def _engine_step(engine) -> Callable:
     return step
 
 
-def _fsdp2_step(a: argparse.Namespace, model: nn.Module, dt: torch.dtype) -> Callable:
-    """FSDP2 as the anchor measured it: each block and the root sharded, reshard after forward."""
+def _fsdp2_step(model: nn.Module, device: torch.device, dt: torch.dtype) -> Callable:
+    """FSDP2 as the anchor measured it: each block and the root sharded, reshard after forward.
+
+    Its MixedPrecisionPolicy casts the parameters, so the loop runs without autocast."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     mp = MixedPrecisionPolicy(param_dtype=dt, reduce_dtype=torch.float32)
     for block in model.blocks:
         fully_shard(block, reshard_after_forward=True, mp_policy=mp)
     fully_shard(model, reshard_after_forward=True, mp_policy=mp)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, fused=True)
-
-    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        loss = model(x, y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss
-    return step
+    return _torch_step(model, opt, device.type, dt, False, None)
 
 
 def _deepspeed_step(a: argparse.Namespace, model: nn.Module) -> Callable:
