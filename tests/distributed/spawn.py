@@ -1,4 +1,4 @@
-"""Run a function in N real processes joined by a gloo process group (CPU)."""
+"""Run a function in N real processes joined by a process group: gloo on CPU, NCCL on GPUs."""
 from __future__ import annotations
 
 import datetime
@@ -18,26 +18,33 @@ def free_port() -> int:
 
 
 def _entry(rank: int, fn: Callable, world: int, port: int, args: tuple,
-           timeout_s: Optional[float]) -> None:
+           timeout_s: Optional[float], backend: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)  # N processes share 2 cores: avoid oversubscription
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)
+    device = None
+    if backend == "nccl":  # one GPU per rank
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(1)  # N processes share 2 cores: avoid oversubscription
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout, device_id=device)
     try:
         fn(rank, world, *args)
         # gloo returns from a collective once this rank has its data, while a peer may still be
         # receiving from it; tearing the group down then aborts the peer. Leave together.
+        # fn(rank, world, *args) finds its device as cuda:rank under NCCL.
         dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
-def run(fn: Callable, world: int, *args: Any, timeout_s: Optional[float] = None) -> None:
+def run(fn: Callable, world: int, *args: Any, timeout_s: Optional[float] = None,
+        backend: str = "gloo") -> None:
     """Spawn `world` processes running fn(rank, world, *args); re-raise the first failure.
 
     timeout_s bounds each collective: ranks that disagree (one skips a step the other takes)
     then fail with a gloo timeout instead of hanging until pytest's own timeout.
     """
-    mp.start_processes(_entry, args=(fn, world, free_port(), args, timeout_s), nprocs=world,
+    mp.start_processes(_entry, args=(fn, world, free_port(), args, timeout_s, backend), nprocs=world,
                        start_method="spawn", join=True)

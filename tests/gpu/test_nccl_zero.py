@@ -4,17 +4,15 @@ Skipped without two GPUs (CI). On the GPU machine: `python3 -m pytest -q tests/g
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from hybrid_ray.engine.engine import Engine
 from hybrid_ray.engine.topology import Topology
-from tests.distributed.spawn import free_port
+from tests.distributed import spawn
 from tests.gpu.test_offload_cuda import CFG, CUDA0, MICRO, STEPS, batch, max_rel_err, reference
 from hybrid_ray.models import GPT
 
@@ -28,33 +26,24 @@ def config(stage: int, gas: int) -> dict:
                                   "stage3_param_persistence_threshold": 1000}}
 
 
-def _worker(rank: int, world: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+def _worker(rank: int, world: int, out: str) -> None:
     device = torch.device("cuda", rank)
-    torch.cuda.set_device(device)
-    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device)
-    try:
-        topo = Topology(rank, world, device, dist.group.WORLD)
-        for stage, gas in CASES:
-            torch.manual_seed(0)
-            engine = Engine(GPT(CFG), config(stage, gas), topology=topo)
-            for step in range(STEPS):
-                for k in range(gas):
-                    engine.backward(engine(*batch(step, k, rank, device)))
-                    engine.step()
-            state = engine.consolidated_state_dict(rank0_only=False)
-            torch.save(state, Path(out) / f"s{stage}-r{rank}.pt")
-            engine.close()
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    topo = Topology(rank, world, device, dist.group.WORLD)
+    for stage, gas in CASES:
+        torch.manual_seed(0)
+        engine = Engine(GPT(CFG), config(stage, gas), topology=topo)
+        for step in range(STEPS):
+            for k in range(gas):
+                engine.backward(engine(*batch(step, k, rank, device)))
+                engine.step()
+        state = engine.consolidated_state_dict(rank0_only=False)
+        torch.save(state, Path(out) / f"s{stage}-r{rank}.pt")
+        engine.close()
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_two_gpus_zero_stages_match_fused_adamw(tmp_path: Path) -> None:
-    mp.start_processes(_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, start_method="spawn",
-                       join=True)
+    spawn.run(_worker, 2, str(tmp_path), backend="nccl")
     for stage, gas in CASES:
         ref = {n: t.cpu() for n, t in reference(2, gas, False, CUDA0).items()}
         ranks = [torch.load(tmp_path / f"s{stage}-r{r}.pt") for r in range(2)]

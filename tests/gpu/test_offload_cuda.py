@@ -8,18 +8,17 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import os
 from pathlib import Path
 from typing import Dict, Tuple
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from hybrid_ray.engine.engine import Engine
 from hybrid_ray.engine.topology import Topology
 from hybrid_ray.models import GPT, GPT_SIZES
+from tests.distributed import spawn
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 CFG = dataclasses.replace(GPT_SIZES["small"], bias=False)
@@ -140,31 +139,19 @@ def test_fp16_overflow_is_skipped_with_offload_on_cuda(delayed: bool) -> None:
 
 
 # ---- two GPUs, NCCL ---------------------------------------------------------------------
-def _worker(rank: int, world: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+def _worker(rank: int, world: int, out: str) -> None:
     device = torch.device("cuda", rank)
-    torch.cuda.set_device(device)
-    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device)
-    try:
-        topo = Topology(rank, world, device, dist.group.WORLD)
-        for stage, gas, delayed in ((2, 2, False), (2, 2, True), (1, 1, False)):
-            engine = train(config(stage, gas, delayed), rank, world, device, topo)
-            state = {n: p.detach().cpu() for n, p in engine.module.named_parameters()}
-            torch.save(state, Path(out) / f"s{stage}-{gas}-{delayed}-r{rank}.pt")
-            engine.close()
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    topo = Topology(rank, world, device, dist.group.WORLD)
+    for stage, gas, delayed in ((2, 2, False), (2, 2, True), (1, 1, False)):
+        engine = train(config(stage, gas, delayed), rank, world, device, topo)
+        state = {n: p.detach().cpu() for n, p in engine.module.named_parameters()}
+        torch.save(state, Path(out) / f"s{stage}-{gas}-{delayed}-r{rank}.pt")
+        engine.close()
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_two_gpus_offload_matches_fused_adamw(tmp_path: Path) -> None:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(_worker, args=(2, port, str(tmp_path)), nprocs=2, start_method="spawn", join=True)
+    spawn.run(_worker, 2, str(tmp_path), backend="nccl")
     for stage, gas, delayed in ((2, 2, False), (2, 2, True), (1, 1, False)):
         ref = {n: t.cpu() for n, t in reference(2, gas, delayed, CUDA0).items()}
         ranks = [torch.load(tmp_path / f"s{stage}-{gas}-{delayed}-r{r}.pt") for r in range(2)]
