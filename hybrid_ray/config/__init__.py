@@ -8,6 +8,7 @@ path, the value and what is allowed; settings the engine does not implement yet 
 NotSupportedError.
 """
 from hybrid_ray.config.api import ConfigSource, load_config
+from hybrid_ray.config.checkpoint import CheckpointConfig
 from hybrid_ray.config.errors import ConfigError, NotSupportedError
 from hybrid_ray.config.optim import (OptimizerConfig, SchedulerConfig, WarmupCosineLRParams,
                                      WarmupDecayLRParams, WarmupLRParams)
@@ -17,8 +18,9 @@ from hybrid_ray.config.sections import (ActivationCheckpointingConfig, BF16Confi
                                         OffloadConfig, PrecisionConfig, PrecisionStep, ZeroConfig)
 
 __all__ = [
-    "ActivationCheckpointingConfig", "BatchSizes", "BF16Config", "CompressionConfig", "Config",
-    "ConfigError", "ConfigSource", "FlopsProfilerConfig", "FP16Config", "NotSupportedError",
-    "OffloadConfig", "OptimizerConfig", "PrecisionConfig", "PrecisionStep", "SchedulerConfig",
-    "WarmupCosineLRParams", "WarmupDecayLRParams", "WarmupLRParams", "ZeroConfig", "load_config",
+    "ActivationCheckpointingConfig", "BatchSizes", "BF16Config", "CheckpointConfig",
+    "CompressionConfig", "Config", "ConfigError", "ConfigSource", "FlopsProfilerConfig",
+    "FP16Config", "NotSupportedError", "OffloadConfig", "OptimizerConfig", "PrecisionConfig",
+    "PrecisionStep", "SchedulerConfig", "WarmupCosineLRParams", "WarmupDecayLRParams",
+    "WarmupLRParams", "ZeroConfig", "load_config",
 ]

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from hybrid_ray.config.checkpoint import CheckpointConfig
 from hybrid_ray.config.errors import Verbatim, config_error
 from hybrid_ray.config.loader import checked, flatten, to_plain
 from hybrid_ray.config.optim import OptimizerConfig, SchedulerConfig
@@ -77,6 +78,8 @@ class Config:
     """Print the engine state after initialisation."""
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     """Per-module dtypes and precision rules (ours, not DeepSpeed's)."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Asynchronous checkpoint saves and retention (ours, not DeepSpeed's)."""
 
     def validate(self, path: str) -> None:
         """Cross-section rules that no single section can check."""
