@@ -44,4 +44,5 @@ def initialize(model: nn.Module, model_parameters: Any = None, config: Any = Non
     if training_data is not None:
         loader = build_dataloader(training_data, engine.train_micro_batch_size_per_gpu(),
                                   engine.topology, collate_fn=collate_fn, seed=engine.config.seed or 0)
+        engine.training_dataloader = loader  # its data position goes into checkpoints, if it has one
     return engine, engine.optimizer, loader, engine.lr_scheduler

@@ -2,6 +2,8 @@
 
     hybrid-ray config check PATH         # "ok: ..." or the one-line config error (exit 2)
     hybrid-ray train CONFIG [--nproc N]  # jobs/train_local.py's run with that job file
+    hybrid-ray checkpoint inspect PATH   # step, world size, stage, files, checksums
+    hybrid-ray checkpoint export PATH OUT [--dtype fp32|bf16]   # model state_dict, offline
 
 `config check` takes a plain engine config (DeepSpeed-style JSON) or a job file with an
 "engine" section (jobs/configs/*.json); it builds nothing, so it runs in a second.
@@ -13,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
+from hybrid_ray import checkpoint_cli
 from hybrid_ray.config import Config, ConfigError, load_config
 from hybrid_ray.config.api import read_json
 
@@ -22,7 +25,7 @@ EXIT_CONFIG = 2  # argparse's code for bad usage; a bad config is the same kind 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hybrid-ray", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="command", required=True, metavar="{config,train}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{config,train,checkpoint}")
     config = sub.add_parser("config", help="work with config files")
     config_sub = config.add_subparsers(dest="action", required=True, metavar="{check}")
     check = config_sub.add_parser("check", help="validate an engine config or a job file")
@@ -34,6 +37,7 @@ def _parser() -> argparse.ArgumentParser:
 
     add_nproc(train)
     train.set_defaults(func=_train)
+    checkpoint_cli.add_commands(sub)
     return p
 
 

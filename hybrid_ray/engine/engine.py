@@ -54,6 +54,10 @@ class Engine:
         self.global_samples = 0
         self._consecutive_skips = 0
         self._last: Optional[StepOutcome] = None
+        # Set by initialize(training_data=...) or by the caller: a loader (or its sampler) with
+        # state_dict()/load_state_dict() has its data position saved in checkpoints.
+        self.training_dataloader: Any = None
+        self._checkpoint_saver = None  # checkpoint_write.BackgroundSaver, made by the first save
         self._groups = build.param_groups(model, model_parameters, optimizer)
         self._build_precision(self._scheduled_dtype(0))
         self.checkpointing = apply_activation_checkpointing(self.module, self.config.activation_checkpointing)
@@ -259,12 +263,19 @@ class Engine:
         The model keeps its current weights (as views of the engine's flat buffers). Call before
         `dist.destroy_process_group()` when an engine is rebuilt in a live process (elastic
         resizes, precision switches do this internally). Collective when a delayed parameter
-        update is still in flight (it lands first): every rank calls it.
+        update is still in flight (it lands first): every rank calls it. A checkpoint save in
+        flight is waited for first; its error is raised once the engine is closed.
         """
-        self.zero.close()
-        self.checkpointing.remove()
-        self._remove_hooks()
-        self.reducer.grads.clear()
+        try:
+            self.wait_checkpoint()
+        finally:
+            if self._checkpoint_saver is not None:
+                self._checkpoint_saver.close()
+                self._checkpoint_saver = None
+            self.zero.close()
+            self.checkpointing.remove()
+            self._remove_hooks()
+            self.reducer.grads.clear()
 
     def _remove_hooks(self) -> None:
         self.precision_plan.remove()
@@ -300,11 +311,19 @@ class Engine:
                                                 self.topology, dtype, rank0_only)
 
     def save_checkpoint(self, save_dir: str, tag: Optional[str] = None,
-                        client_state: Optional[dict] = None) -> str:
+                        client_state: Optional[dict] = None, async_save: Optional[bool] = None) -> str:
         """Write a checkpoint (local path or pyarrow.fs URI) loadable at any world size and
-        ZeRO stage; see checkpoint.py. Collective: every rank calls it."""
+        ZeRO stage; see checkpoint.py. Collective: every rank calls it. async_save (default:
+        config `checkpoint.async_save`) returns once the state is copied to host memory; the
+        files are written and committed in the background (see wait_checkpoint)."""
         from .checkpoint import save_checkpoint
-        return save_checkpoint(self, save_dir, tag, client_state)
+        return save_checkpoint(self, save_dir, tag, client_state, async_save)
+
+    def wait_checkpoint(self) -> Optional[str]:
+        """Block until this rank's asynchronous save is committed; its path (None if no save was
+        in flight). Raises the save's CheckpointError, once. Not collective."""
+        from .checkpoint import wait_checkpoint
+        return wait_checkpoint(self)
 
     def load_checkpoint(self, load_dir: str, tag: Optional[str] = None, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True, load_module_only: bool = False):

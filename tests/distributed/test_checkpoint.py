@@ -34,7 +34,8 @@ def exported(engine: Engine) -> Dict[str, Dict[str, torch.Tensor]]:
     """Every parameter's fp32 master and Adam moments by name, plus Adam's step (collective)."""
     state = relayout.export_state(engine.spaces, engine.zero.masters, engine.optimizer, engine.topology)
     out = {n: {k: t.cpu() for k, t in state[id(p)].items()} for n, p in engine.module.named_parameters()}
-    out["<step>"] = {"step": relayout.scalar_state(engine.optimizer, engine.zero.masters)["step"].cpu()}
+    # clone: on the CPU .cpu() is the optimizer's own step tensor, which later steps increment
+    out["<step>"] = {"step": relayout.scalar_state(engine.optimizer, engine.zero.masters)["step"].cpu().clone()}
     return out
 
 
@@ -100,7 +101,8 @@ def test_checkpoint_any_world_size_and_resume(tmp_path: Path) -> None:
     spawn.run(two_ranks, 2, str(tmp_path), timeout_s=120)
     files = sorted(p.name for p in (tmp_path / "a" / f"global_step{SAVED_AT}").iterdir())
     ext = TENSOR_EXT  # .pt, or .safetensors when installed
-    assert files == ["manifest.json", "meta.json", f"params-rank00000{ext}", f"params-rank00001{ext}",
-                     "rng-rank00000.json", "rng-rank00001.json"], files  # each rank wrote its share
+    assert files == ["manifest.json", "meta.json", f"params-rank00000-00000{ext}",
+                     f"params-rank00001-00000{ext}", "rng-rank00000.json", "rng-rank00001.json"], files
+    # each rank wrote its share (in one part: far below 1 GiB); no markers or staging left over
     spawn.run(load_elsewhere, 1, str(tmp_path), 0, timeout_s=120)
     spawn.run(load_elsewhere, 3, str(tmp_path), 1, timeout_s=120)

@@ -19,9 +19,9 @@ CFG = {"train_micro_batch_size_per_gpu": 4,
                                                    "warmup_num_steps": 4, "warmup_type": "linear"}}}
 
 
-def make(seed: int = 0) -> Engine:
+def make(seed: int = 0, cfg: dict | None = None) -> Engine:
     torch.manual_seed(seed)
-    return Engine(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)), CFG)
+    return Engine(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)), cfg or CFG)
 
 
 def train(engine: Engine, steps: range) -> None:

@@ -1,0 +1,148 @@
+"""Reading a checkpoint without an engine or a process group: inspect it, export the model.
+
+`hybrid-ray checkpoint inspect|export` (hybrid_ray/checkpoint_cli.py) call these. The export
+reassembles the model's `state_dict` from every rank's files: parameters from their fp32 masters
+(in the chosen dtype), tied names as copies of their first name, buffers and frozen parameters
+from rank 0's module extras; so it loads into the plain `nn.Module` with `load_state_dict`.
+"""
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from . import checkpoint_io as cio
+from . import checkpoint_read as cread
+from .checkpoint_io import CheckpointError
+
+Tensors = Dict[str, torch.Tensor]
+
+def locate(path_or_uri: str, tag: Optional[str] = None) -> Tuple[object, str, List[str]]:
+    """(filesystem, root, tags): PATH is one checkpoint directory (tags = [its name]) or a save
+    directory (tags = [tag] if given, else every committed or staging checkpoint in it)."""
+    fs, path = cio.filesystem(path_or_uri)
+    if not cio.is_dir(fs, path):
+        raise CheckpointError(f"{path_or_uri}: no such directory")
+    if tag is None and cio.exists(fs, cio.join(path, cread.MANIFEST)):
+        root, _, name = path.rpartition("/")
+        return fs, root, [name]
+    if tag is not None:
+        return fs, path, [tag]
+    return fs, path, sorted(cio.list_dirs(fs, path))
+
+
+@dataclass
+class Report:
+    """What `inspect` found about one checkpoint directory."""
+
+    tag: str
+    committed: bool
+    meta: dict = field(default_factory=dict)
+    files: Dict[str, Tuple[int, str]] = field(default_factory=dict)  # name -> (bytes, status)
+    error: Optional[str] = None
+
+    @property
+    def ok(self) -> bool:
+        return self.committed and self.error is None and all(s == "ok" for _, s in self.files.values())
+
+
+def inspect(fs, root: str, tag: str, verify: bool = True) -> Report:
+    """Status of every file of one checkpoint: ok, missing, size or sha256 mismatch (sizes only
+    when verify is False)."""
+    ckpt = cio.join(root, tag)
+    try:
+        manifest = cread.read_manifest(fs, ckpt)
+    except CheckpointError as e:
+        sizes = cio.file_sizes(fs, ckpt)
+        return Report(tag, False, files={n: (b, "not committed") for n, b in sizes.items()}, error=str(e))
+    report = Report(tag, True)
+    sizes = cio.file_sizes(fs, ckpt)
+    for name, entry in sorted(manifest["files"].items()):
+        size = sizes.get(name)
+        status = "missing" if size is None else "ok" if size == entry["bytes"] else \
+            f"size mismatch (manifest: {entry['bytes']})"
+        if status == "ok" and (verify or name == cread.META):
+            if cio.sha256(cio.read_bytes(fs, cio.join(ckpt, name))) != entry["sha256"]:
+                status = "sha256 mismatch"
+        report.files[name] = (entry["bytes"] if size is None else size, status)
+    if report.files.get(cread.META, (0, ""))[1] == "ok":
+        report.meta = cio.json_from_bytes(cio.read_bytes(fs, cio.join(ckpt, cread.META)))
+    return report
+
+
+def _meta_and_tensors(fs, ckpt: str, dtype: torch.dtype) -> Tuple[dict, Tensors, Tensors]:
+    """(meta, {param name: master in dtype}, module extras), file by file, every file verified."""
+    manifest, small = cread.read_json_files(fs, ckpt)
+    masters: Dict[str, torch.Tensor] = {}
+    extras: Dict[str, torch.Tensor] = {}
+    names = [n for n in sorted(manifest["files"]) if n.startswith((cread.PARAMS, cread.EXTRAS))]
+    for name, data in cread.iter_verified(fs, ckpt, manifest, names):
+        tensors = cio.tensors_from_bytes(data, name)
+        if name.startswith(cread.EXTRAS):
+            extras.update(tensors)
+            continue
+        for key, value in tensors.items():  # keep the masters, drop optimizer state at once
+            param, _, what = key.rpartition("/")
+            if what == "master":
+                masters[param] = value.to(dtype)
+    return cio.json_from_bytes(small[cread.META]), masters, extras
+
+
+def consolidated_state_dict(fs, ckpt: str, dtype: torch.dtype = torch.float32) -> Dict[str, torch.Tensor]:
+    """The model's state_dict from a checkpoint's files: what `module.state_dict()` holds."""
+    meta, masters, extras = _meta_and_tensors(fs, ckpt, dtype)
+    layout = meta.get("module") or {"state_dict_keys": sorted(masters), "aliases": {}, "buffers": []}
+    aliases, buffers = layout["aliases"], set(layout["buffers"])
+    out: Dict[str, torch.Tensor] = {}
+    for key in layout["state_dict_keys"]:
+        name = aliases.get(key, key)
+        if name in masters:
+            out[key] = masters[name]
+        elif key in extras:  # buffers keep their dtype; frozen parameters follow the export's
+            value = extras[key]
+            out[key] = value if key in buffers or not value.is_floating_point() else value.to(dtype)
+        else:
+            raise CheckpointError(f"checkpoint {ckpt} has no tensor for state_dict key {key!r}")
+    return out
+
+
+def _target(path_or_uri: str, tag: Optional[str]) -> Tuple[object, str]:
+    """(filesystem, checkpoint directory): PATH itself when it is one, else the tag under it, or
+    the one `latest` names with the usual fallback to the newest good one."""
+    fs, path = cio.filesystem(path_or_uri)
+    if tag is None and cio.exists(fs, cio.join(path, cread.MANIFEST)):
+        return fs, path
+    chosen = cread.choose(fs, path, tag)
+    if chosen is None:
+        raise CheckpointError(f"{path_or_uri}: no checkpoint" + (f" {tag!r}" if tag else "") + " to export")
+    return fs, cio.join(path, chosen)
+
+
+def export(path_or_uri: str, out: str, dtype: torch.dtype = torch.float32,
+           tag: Optional[str] = None) -> Tuple[str, Dict[str, torch.Tensor]]:
+    """Write the consolidated state_dict to OUT (.safetensors or .pt, path or URI); returns
+    (the checkpoint exported, the state_dict)."""
+    suffix = out.rsplit(".", 1)[-1] if "." in out else ""
+    if suffix not in ("safetensors", "pt"):
+        raise CheckpointError(f"{out}: the output must end in .safetensors or .pt")
+    fs, ckpt = _target(path_or_uri, tag)
+    state = consolidated_state_dict(fs, ckpt, dtype)
+    out_fs, out_path = cio.filesystem(out)
+    cio.write_bytes(out_fs, out_path, _serialise(state, suffix, ckpt.rpartition("/")[2]))
+    return ckpt, state
+
+
+def _serialise(state: Dict[str, torch.Tensor], suffix: str, tag: str) -> bytes:
+    if suffix == "pt":
+        buf = io.BytesIO()
+        torch.save(state, buf)  # tied names share storage, as in module.state_dict()
+        return buf.getvalue()
+    import safetensors.torch  # a dependency; imported here so inspect does not need it
+    seen: set = set()
+    unshared = {}
+    for key, value in state.items():  # safetensors refuses tensors that share memory
+        unshared[key] = value.clone() if id(value) in seen else value.contiguous()
+        seen.add(id(value))
+    return safetensors.torch.save(unshared, metadata={"format": "pt", "hybrid_ray_checkpoint": tag})

@@ -1,0 +1,277 @@
+"""What a checkpoint holds: taken from a live engine (a snapshot) and put back into one.
+
+The snapshot runs on the training thread and is the only part of an asynchronous save that
+blocks training: parameter state is all-gathered space by space (collective) and copied into
+host tensors; everything after it (serialising, checksums, writing, the commit) works on those
+copies only. Nothing here touches storage.
+
+Per-parameter state (fp32 master, per-element optimizer state such as Adam's moments) is saved by
+parameter name; rank r saves the names a round-robin over the sorted names assigns to it. Rank 0
+also saves the module's other tensors: its persistent buffers and the frozen parameters (those
+outside the engine's flat spaces), so that an offline export is a complete `state_dict`.
+"""
+from __future__ import annotations
+
+import logging
+import random
+import sys
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from . import checkpoint_io as cio
+from . import checkpoint_read as cread
+from . import relayout
+from .checkpoint_io import CheckpointError
+
+Tensors = Dict[str, torch.Tensor]
+
+
+class HostBuffers:
+    """Host tensors a snapshot copies into, reused by the next snapshot of the same shapes.
+
+    Pinned when the state lives on a GPU: device-to-host copies into pinned memory run at full
+    bus speed without a staging copy, and are issued non-blocking with one synchronisation at
+    the end. Pinning gigabytes costs seconds, hence the reuse (an asynchronous save keeps its
+    buffers; a synchronous one drops them).
+    """
+
+    def __init__(self, pin: bool):
+        self.pin = pin
+        self._buffers: Tensors = {}
+
+    def copy(self, key: str, source: torch.Tensor) -> torch.Tensor:
+        buf = self._buffers.get(key)
+        if buf is None or buf.shape != source.shape or buf.dtype != source.dtype:
+            buf = torch.empty(source.shape, dtype=source.dtype, pin_memory=self.pin)
+            self._buffers[key] = buf
+        buf.copy_(source, non_blocking=self.pin and source.is_cuda)
+        return buf
+
+    def ready(self) -> None:
+        """Wait for the non-blocking copies issued so far."""
+        if self.pin:
+            torch.cuda.synchronize()
+
+
+# ---- parameter state -------------------------------------------------------------------------
+def param_names(engine) -> Dict[int, str]:
+    """id(param) -> name, tied parameters once under their first name."""
+    return {id(p): n for n, p in engine.module.named_parameters()}
+
+
+def _per_element_keys(engine, master: torch.Tensor) -> List[str]:
+    state = engine.optimizer.state.get(master, {})
+    return sorted(k for k, v in state.items() if torch.is_tensor(v) and v.shape == master.shape)
+
+
+def snapshot_params(engine, buffers: HostBuffers) -> Tuple[Tensors, List[dict]]:
+    """This rank's share of the per-parameter state on the host, and the index of all of it."""
+    topo, names = engine.topology, param_names(engine)
+    ordered = sorted(names[id(p)] for s in engine.spaces for p in s.params)
+    owner = {n: i % topo.world_size for i, n in enumerate(ordered)}
+    out: Tensors = {}
+    index: List[dict] = []
+    for space, master in zip(engine.spaces, engine.zero.masters):
+        keys = ["master"] + _per_element_keys(engine, master)
+        tensors = {"master": master.detach()}
+        tensors.update({k: engine.optimizer.state[master][k] for k in keys[1:]})
+        for key in keys:  # the same order on every rank: full_flat is collective
+            full = relayout.full_flat(space, tensors[key], topo)
+            for p, off in space.param_offsets():
+                name, shape = names[id(p)], space.shapes[id(p)]
+                if owner[name] == topo.rank:
+                    view = full[off:off + shape.numel()].view(shape)
+                    out[f"{name}/{key}"] = buffers.copy(f"{name}/{key}", view)
+                if key == "master":
+                    index.append({"name": name, "shape": list(shape), "rank": owner[name], "keys": keys})
+            del full
+    buffers.ready()
+    return out, index
+
+
+def snapshot_module_extras(engine, buffers: HostBuffers) -> Tuple[Tensors, dict]:
+    """Rank 0's persistent buffers and frozen parameters, and how to rebuild the state_dict keys.
+
+    Returns (tensors, layout) with layout = {"state_dict_keys": [...], "aliases": {tied name:
+    first name}, "buffers": [...]}: the offline export emits exactly `module.state_dict()`'s keys.
+    """
+    module, first = engine.module, param_names(engine)
+    aliases = {n: first[id(p)] for n, p in module.named_parameters(remove_duplicate=False)
+               if first[id(p)] != n}
+    keys = list(module.state_dict(keep_vars=True).keys())
+    param_keys = {n for n, _ in module.named_parameters(remove_duplicate=False)}
+    trained = {first[id(p)] for s in engine.spaces for p in s.params}
+    extras: Tensors = {}
+    for name, p in module.named_parameters():
+        if name not in trained:  # frozen: outside the flat spaces
+            extras[name] = buffers.copy(f"extra:{name}", p.detach())
+    buffer_names = [name for name in keys if name not in param_keys]  # persistent buffers
+    for name in buffer_names:
+        extras[name] = buffers.copy(f"extra:{name}", module.get_buffer(name).detach())
+    buffers.ready()
+    return extras, {"state_dict_keys": keys, "aliases": aliases, "buffers": buffer_names}
+
+
+# ---- scalars, RNG, data position -------------------------------------------------------------
+def json_scalar(value: Any) -> Any:
+    if torch.is_tensor(value):
+        return {"tensor": value.item(), "dtype": str(value.dtype).replace("torch.", "")}
+    return value
+
+
+def from_json_scalar(value: Any, device: torch.device) -> Any:
+    if isinstance(value, dict) and set(value) == {"tensor", "dtype"}:
+        return torch.tensor(value["tensor"], dtype=getattr(torch, value["dtype"]), device=device)
+    return value
+
+
+def rng_state() -> dict:
+    state: Dict[str, Any] = {"torch": torch.get_rng_state().tolist()}
+    version, internal, gauss = random.getstate()
+    state["python"] = [version, list(internal), gauss]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
+    if "numpy" in sys.modules:
+        kind, keys, pos, has_gauss, cached = sys.modules["numpy"].random.get_state()
+        state["numpy"] = [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)]
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]])
+    if "numpy" in state and "numpy" in sys.modules:
+        np = sys.modules["numpy"]
+        kind, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+
+
+def _stateful(obj: Any) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+
+def data_source(engine) -> Tuple[Optional[str], Any]:
+    """('loader' | 'sampler' | 'batch_sampler', object) holding the data position, or (None, None).
+
+    Duck-typed: the first of the engine's training_dataloader, its sampler, its batch_sampler
+    with both state_dict() and load_state_dict().
+    """
+    loader = getattr(engine, "training_dataloader", None)
+    if loader is None:
+        return None, None
+    for where, obj in (("loader", loader), ("sampler", getattr(loader, "sampler", None)),
+                       ("batch_sampler", getattr(loader, "batch_sampler", None))):
+        if obj is not None and _stateful(obj):
+            return where, obj
+    return None, None
+
+
+def data_state(engine) -> Optional[dict]:
+    """The data position, JSON-checked. Rank 0's: the position is global (a sampler resumable by
+    global sample index gives every rank its share of the next batch from it)."""
+    where, obj = data_source(engine)
+    if obj is None:
+        return None
+    state = obj.state_dict()
+    try:
+        cio.json_bytes(state)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"training_dataloader {where}.state_dict() must be JSON-serialisable "
+                              f"to be checkpointed: {e}") from None
+    return {"source": where, "state": state}
+
+
+def restore_data_state(engine, saved: Optional[dict]) -> None:
+    if saved is None:
+        return
+    where, obj = data_source(engine)
+    if obj is None or where != saved["source"]:
+        engine._log(f"checkpoint holds a data position (from the {saved['source']}) but the engine's "
+                    f"training_dataloader has no such state_dict(): data position not restored",
+                    logging.WARNING)
+        return
+    obj.load_state_dict(saved["state"])
+
+
+def meta(engine, tag: str, client_state: dict, index: List[dict], layout: dict) -> dict:
+    """Everything rank 0 saves as JSON: run description, counters, small states."""
+    scalars = relayout.scalar_state(engine.optimizer, engine.zero.masters)
+    scheduler = engine.lr_scheduler
+    return {
+        "format": cread.FORMAT, "tag": tag, "world_size": engine.topology.world_size,
+        "zero_stage": engine.config.zero_optimization.stage, "precision": engine.base_dtype,
+        "config": engine.config.to_dict(),
+        "counters": {k: getattr(engine, k) for k in
+                     ("global_steps", "skipped_steps", "micro_steps", "global_samples")},
+        "loss_scaler": engine.loss_scaler.state_dict(),
+        "lr_scheduler": scheduler.state_dict() if scheduler is not None and
+        hasattr(scheduler, "state_dict") else None,
+        "optimizer_scalars": {k: json_scalar(v) for k, v in scalars.items()},
+        "client_state": client_state, "params": index, "data": data_state(engine),
+        "module": layout,
+    }
+
+
+# ---- load --------------------------------------------------------------------------------------
+def _param_state(engine, saved: Tensors, optimizer_states: bool) -> relayout.ParamState:
+    names = param_names(engine)
+    keys_of: Dict[str, set] = {}
+    for key in saved:
+        name, _, what = key.rpartition("/")
+        keys_of.setdefault(name, set()).add(what)
+    state: relayout.ParamState = {}
+    for space in engine.spaces:
+        for p in space.params:
+            name = names[id(p)]
+            keys = ["master"] + (sorted(keys_of.get(name, set()) - {"master"}) if optimizer_states else [])
+            if f"{name}/master" not in saved:
+                raise CheckpointError(f"checkpoint has no parameter {name!r}")
+            got, want = tuple(saved[f"{name}/master"].shape), tuple(space.shapes[id(p)])
+            if got != want:
+                raise CheckpointError(f"parameter {name!r}: checkpoint shape {got}, model {want}")
+            state[id(p)] = {k: saved[f"{name}/{k}"] for k in keys}
+    return state
+
+
+def _restore_module_extras(engine, extras: Tensors) -> None:
+    """Frozen parameters and persistent buffers, where the model has them at the same shape."""
+    module = engine.module
+    targets = dict(module.named_parameters())
+    targets.update(dict(module.named_buffers()))
+    with torch.no_grad():
+        for name, value in extras.items():
+            target = targets.get(name)
+            if target is None or target.shape != value.shape:
+                raise CheckpointError(f"module tensor {name!r}: checkpoint shape {tuple(value.shape)}, "
+                                      f"model {None if target is None else tuple(target.shape)}")
+            target.copy_(value)
+
+
+def apply(engine, saved: Tensors, extras: Tensors, rng: Optional[bytes], meta: dict,
+          optimizer_states: bool, scheduler_state: bool, module_only: bool) -> None:
+    """Put a checkpoint's state into a (possibly differently laid out) engine."""
+    scalars = {}
+    if optimizer_states:
+        device = engine.zero.master_device
+        scalars = {k: from_json_scalar(v, device) for k, v in meta["optimizer_scalars"].items()}
+    state = _param_state(engine, saved, optimizer_states)
+    relayout.import_state(engine.spaces, engine.zero.masters, engine.optimizer, state, scalars)
+    engine.zero.write_back()  # the model's parameters from the loaded masters
+    _restore_module_extras(engine, extras)
+    if module_only:
+        return
+    engine.loss_scaler.load_state_dict(meta["loss_scaler"])
+    if scheduler_state and meta["lr_scheduler"] is not None and engine.lr_scheduler is not None:
+        engine.lr_scheduler.load_state_dict(meta["lr_scheduler"])
+    for key, value in meta["counters"].items():
+        setattr(engine, key, value)
+    restore_data_state(engine, meta.get("data"))
+    if meta["world_size"] == engine.topology.world_size and rng is not None:
+        set_rng_state(cio.json_from_bytes(rng))
+    elif meta["world_size"] != engine.topology.world_size:
+        engine._log(f"checkpoint saved by {meta['world_size']} rank(s), loaded by "
+                    f"{engine.topology.world_size}: RNG states not restored")
