@@ -195,6 +195,13 @@ class PrecisionConfig:
     """Regex on module qualified name -> dtype that module stores params and computes in."""
     norms_fp32: bool = True
     """Normalisation layers keep fp32 params and compute."""
+    norm_activations: Literal["fp32", "half"] = "fp32"
+    """What an fp32 norm takes and returns under fp16/bf16. fp32: activations are cast to fp32
+    in and back out (autocast's rule). half: they stay in the half dtype and torch's LayerNorm
+    kernel still computes mean and variance in fp32, saving four full-activation casts per norm
+    per step (about 5% of a 1.3B GPT step on an H200). The parameters stay fp32 masters; on CUDA,
+    whose kernel needs one dtype, they are cast to the half dtype for the kernel as every matmul
+    weight is. Other norm types keep fp32 activations."""
     fp32_outputs: bool = True
     """Floating outputs of engine forward are cast to fp32, so the loss is computed in fp32."""
     schedule: tuple[PrecisionStep, ...] = ()

@@ -77,7 +77,7 @@ class Engine:
         pc = self.config.precision
         self.base_dtype = base
         self.compute_dtype = dtype_of(base)
-        policy = PrecisionPolicy(self.compute_dtype, pc.modules, pc.norms_fp32)
+        policy = PrecisionPolicy(self.compute_dtype, pc.modules, pc.norms_fp32, pc.norm_activations)
         self.precision_plan = policy.apply(self.module, self.topology.device.type)
 
     def _build_zero(self, groups: List[build.ParamGroup], broadcast: bool = True) -> None:

@@ -10,12 +10,14 @@ uniform bf16 model pays for none.
 """
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, Mapping, Optional, Tuple
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 DTYPES: Dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 HALF = (torch.float16, torch.bfloat16)
@@ -28,6 +30,15 @@ NORM_TYPES: Tuple[type, ...] = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn
 # Norms that CUDA autocast already computes in fp32 (they are on its fp32 op list): when their
 # parameters are fp32 they need no hook there. CPU autocast runs them in half, so CPU hooks them.
 _AUTOCAST_FP32_NORMS = {"cuda": (nn.LayerNorm, nn.GroupNorm)}
+
+# Norms that `precision.norm_activations: half` feeds half activations without casts: torch's
+# LayerNorm kernel accumulates statistics in fp32 for half inputs. RMSNorm is not one: given
+# mixed dtypes, torch falls back from its fused kernel to a slower composite.
+MIXED_DTYPE_NORMS: Tuple[type, ...] = (nn.LayerNorm,)
+# Devices whose LayerNorm kernel reads fp32 weight and bias with a half input. Elsewhere (CUDA:
+# "expected scalar type BFloat16 but found Float") the fp32 parameters are cast to the input's
+# dtype for the kernel, as autocast does for every matmul weight; they stay fp32 masters.
+_MIXED_LAYER_NORM_DEVICES = ("cpu",)
 
 
 def dtype_of(name: str) -> torch.dtype:
@@ -112,6 +123,38 @@ class PrecisionRegion:
             h.remove()
 
 
+class HalfActivationNorm(PrecisionRegion):
+    """An fp32 LayerNorm fed half activations as they are: autocast off, no casts in or out.
+
+    The kernel computes mean and variance in fp32 whatever its input dtype, so only the storage
+    of the activations differs from the fp32 region, and that storage is half on both sides
+    anyway (the residual stream before, the next matmul's input after). Saves four casts of a
+    full activation per norm per step (about 5% of a 1.3B GPT step on an H200)."""
+
+    def __init__(self, module: nn.LayerNorm):
+        super().__init__(module, torch.float32, restore_output=False)
+        self.module = module
+        module.forward = functools.partial(_half_layer_norm, module)  # instance attribute
+
+    def _enter(self, module: nn.Module, args: tuple, kwargs: dict) -> Tuple[tuple, dict]:
+        ctx = autocast_region(_device_type(module, args), torch.float32)
+        ctx.__enter__()
+        self._stack.append((ctx, True))
+        return args, kwargs
+
+    def remove(self) -> None:
+        super().remove()
+        self.module.__dict__.pop("forward", None)
+
+
+def _half_layer_norm(module: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
+    weight, bias = module.weight, module.bias
+    if x.dtype in HALF and x.device.type not in _MIXED_LAYER_NORM_DEVICES:
+        weight = weight.to(x.dtype) if weight is not None else None
+        bias = bias.to(x.dtype) if bias is not None else None
+    return F.layer_norm(x, module.normalized_shape, weight, bias, module.eps)
+
+
 class FP16Module(nn.Module):
     """Base class for a module that computes in half precision inside a model (seed 6.1).
 
@@ -177,10 +220,11 @@ class PrecisionPolicy:
     """Decides each module's dtype: FP16Module marker > name pattern > norm rule > parent's."""
 
     def __init__(self, base: torch.dtype, modules: Optional[Mapping[str, str]] = None,
-                 norms_fp32: bool = True):
+                 norms_fp32: bool = True, norm_activations: str = "fp32"):
         self.base = base
         self.patterns = [(re.compile(p), DTYPES[d]) for p, d in (modules or {}).items()]
         self.norms_fp32 = norms_fp32
+        self.half_norm_io = norm_activations == "half" and base in HALF
 
     def _own_dtype(self, name: str, module: nn.Module) -> Optional[torch.dtype]:
         if isinstance(module, FP16Module):
@@ -214,6 +258,9 @@ class PrecisionPolicy:
             result.module_dtype[module] = dtype
             if not changes or isinstance(module, FP16Module):
                 continue  # same as the parent, or it carries its own region
+            if dtype == torch.float32 and self.half_norm_io and isinstance(module, MIXED_DTYPE_NORMS):
+                result.regions.append(HalfActivationNorm(module))
+                continue
             if dtype == torch.float32 and isinstance(module, skip_norms):
                 continue  # autocast on this device already runs it in fp32
             result.regions.append(PrecisionRegion(module, dtype, restore_output=True))

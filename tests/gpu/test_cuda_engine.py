@@ -78,3 +78,27 @@ def test_fp16_overflow_is_skipped_and_scale_halves_on_cuda() -> None:
         e.backward(loss)
         e.step()
     assert e.skipped_steps == 1 and loss.item() < first
+
+
+def test_half_norm_activations_on_cuda() -> None:
+    """precision.norm_activations=half: bf16 in and out, fp32 statistics and fp32 master weights.
+
+    CUDA's LayerNorm kernel needs one dtype, so the fp32 weight is cast for it (like a matmul
+    weight under autocast): the output differs from the fp32 computation by bf16 rounding."""
+    e = engine({"bf16": {"enabled": True}, "precision": {"norm_activations": "half"}})
+    ln = e.module.blocks[0].ln1
+    seen = {}
+    ln.register_forward_hook(lambda m, i, o: seen.__setitem__("ln", (i[0].dtype, o.dtype)))
+    loss = e(*batch(0))
+    assert seen["ln"] == (torch.bfloat16, torch.bfloat16)
+    e.backward(loss)
+    e.step()
+    assert ln.weight.dtype == torch.float32
+    x = torch.randn(64, ln.weight.numel(), device="cuda").to(torch.bfloat16)
+    with torch.no_grad():
+        ln.weight.uniform_(0.5, 1.5)
+        ln.bias.uniform_(-0.1, 0.1)
+        half = ln(x)
+        full = torch.nn.functional.layer_norm(x.float(), ln.normalized_shape, ln.weight, ln.bias, ln.eps)
+    assert half.dtype == torch.bfloat16
+    assert (half.float() - full).abs().max() <= 2 ** -6 * full.abs().max()
