@@ -4,6 +4,8 @@
     python jobs/benchmark.py --suite gpu2     # 2 GPUs: DDP, hybrid ZeRO-1/2, DeepSpeed ZeRO-2
     python jobs/benchmark.py --suite cpu      # 2 gloo processes on CPU, small model: DDP vs hybrid
     python jobs/benchmark.py --suite offload1 # 1 GPU, 1.3B: torch, hybrid and DeepSpeed ZeRO-2 + CPU offload
+    python jobs/benchmark.py --suite offload2 # 2 GPUs, 1.3B: DeepSpeed and hybrid ZeRO-2 + CPU offload
+    (--profile DIR writes a torch.profiler kernel table and trace of 3 steps per implementation)
 
 A suite launches each implementation with torchrun, one after the other, parses the RESULT line
 each prints, and prints a table with tokens/s per GPU and the ratio to the baseline (plain torch
@@ -44,12 +46,19 @@ SUITES: Dict[str, List[dict]] = {
                    dict(impl="deepspeed", stage=3)],
     "zero3-gpu2": [dict(impl="ddp"), dict(impl="hybrid", stage=3), dict(impl="fsdp2"),
                    dict(impl="deepspeed", stage=3)],
-    "zero3-gpu2-1.3b": [dict(impl="fsdp2", model="1.3b"), dict(impl="hybrid", stage=3, model="1.3b")],
+    "zero3-gpu2-1.3b": [dict(impl="fsdp2", model="1.3b"), dict(impl="hybrid", stage=3, model="1.3b"),
+                        dict(impl="hybrid", stage=3, model="1.3b", norm_activations="half")],
     # Optimizer offload (1 GPU): the model still fits without offload, so plain torch is the ceiling.
     "offload1": [dict(impl="torch", model="1.3b"), dict(impl="hybrid", stage=2, offload=True, model="1.3b"),
                  dict(impl="hybrid", stage=2, offload=True, delayed=True, model="1.3b"),
                  dict(impl="deepspeed", stage=2, offload=True, model="1.3b")],
+    # Issue 3's offload target: two GPUs, 1.3B, ZeRO-2 + offload, against DeepSpeed's own.
+    "offload2": [dict(impl="deepspeed", stage=2, offload=True, model="1.3b"),
+                 dict(impl="hybrid", stage=2, offload=True, model="1.3b"),
+                 dict(impl="hybrid", stage=2, offload=True, delayed=True, model="1.3b")],
 }
+# The ratio column is against this implementation (default: plain torch or DDP, else the first).
+BASELINE = {"zero3-gpu2-1.3b": "fsdp2", "offload2": "deepspeed"}
 
 
 def parse() -> argparse.Namespace:
@@ -67,9 +76,13 @@ def parse() -> argparse.Namespace:
     p.add_argument("--offload", action="store_true", help="hybrid/deepspeed: optimizer offload to the CPU")
     p.add_argument("--delayed-update", action="store_true",
                    help="hybrid with --offload: delayed parameter update (one-step-stale parameters)")
+    p.add_argument("--norm-activations", choices=["fp32", "half"], default=None,
+                   help="hybrid: precision.norm_activations (default: the engine's)")
     p.add_argument("--nproc", type=int, default=None)
     p.add_argument("--peak", type=float, default=989e12, help="dense bf16 FLOP/s per GPU for MFU")
     p.add_argument("--out", default=None, help="append result lines (JSON) to this file")
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="with --measure: after timing, profile 3 steps on rank 0 and write a kernel table there")
     return p.parse_args()
 
 
@@ -122,6 +135,8 @@ def _hybrid_step(a: argparse.Namespace, model: nn.Module) -> Callable:
             "device": "cpu", "pin_memory": True, "delayed_param_update": a.delayed_update}
     if a.dtype != "fp32":
         cfg[a.dtype] = {"enabled": True}
+    if a.norm_activations:
+        cfg["precision"] = {"norm_activations": a.norm_activations}
     engine, _, _, _ = hybrid_ray.initialize(model, config=cfg)
     return _engine_step(engine)
 
@@ -194,6 +209,8 @@ def measure(a: argparse.Namespace) -> None:
         loss = step(x, y)
     _sync(cuda)
     dt = (time.perf_counter() - t0) / a.steps
+    if a.profile:
+        _profile(a, step, x, y, rank, cuda)
     tok = a.mbs * cfg.seq_len
     flops_tok = 6 * n_params + 12 * cfg.n_layer * cfg.d_model * cfg.seq_len
     sharded = a.impl in ("hybrid", "deepspeed")  # fsdp2 reports no stage
@@ -203,10 +220,32 @@ def measure(a: argparse.Namespace) -> None:
                params_m=round(n_params / 1e6, 1), step_ms=round(dt * 1e3, 2), tok_s_gpu=round(tok / dt),
                mfu=round(flops_tok * tok / dt / a.peak, 4) if cuda else None,
                peak_mem_gb=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
-               loss=round(loss.item(), 3))
+               loss=round(loss.item(), 3), norm_activations=a.norm_activations if a.impl == "hybrid" else None)
     if rank == 0:
         print("RESULT " + json.dumps(res), flush=True)
     dist.destroy_process_group()
+
+
+def _profile(a: argparse.Namespace, step: Callable, x: torch.Tensor, y: torch.Tensor, rank: int,
+             cuda: bool) -> None:
+    """Three steps under torch.profiler; rank 0 writes where GPU time goes (kernels, NCCL, idle)."""
+    from torch.profiler import ProfilerActivity, profile
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        for _ in range(3):
+            step(x, y)
+        _sync(cuda)
+    if rank != 0:
+        return
+    os.makedirs(a.profile, exist_ok=True)
+    name = f"{a.impl}{a.stage if a.impl in ('hybrid', 'deepspeed') else ''}_{a.model}"
+    sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    with open(os.path.join(a.profile, f"{name}.txt"), "w") as f:
+        f.write(prof.key_averages().table(sort_by=sort, row_limit=60, max_name_column_width=70))
+    trace = os.path.join(a.profile, f"{name}.json")
+    prof.export_chrome_trace(trace)
+    subprocess.run(["gzip", "-f", trace], check=False)  # traces of a 1.3B step run to tens of MB
+    print(f"# profile written to {a.profile}/{name}.txt", flush=True)
 
 
 def _sync(cuda: bool) -> None:
@@ -233,7 +272,7 @@ def run_suite(a: argparse.Namespace) -> None:
             if a.out:
                 with open(a.out, "a") as f:
                     f.write(json.dumps(res) + "\n")
-    print_table(results)
+    print_table(results, BASELINE.get(a.suite))
 
 
 def _launch(a: argparse.Namespace, spec: dict, nproc: int, gpu: bool) -> Optional[dict]:
@@ -243,6 +282,10 @@ def _launch(a: argparse.Namespace, spec: dict, nproc: int, gpu: bool) -> Optiona
             "--dtype", a.dtype or ("bf16" if gpu else "fp32"), "--mbs", str(a.mbs or (8 if gpu else 4)),
             "--steps", str(a.steps or (30 if gpu else 10)), "--warmup", str(a.warmup or (8 if gpu else 3)),
             "--bucket", str(a.bucket), "--peak", str(a.peak)]
+    if a.profile:
+        args += ["--profile", a.profile]
+    if a.norm_activations or spec.get("norm_activations"):
+        args += ["--norm-activations", spec.get("norm_activations") or a.norm_activations]
     if a.model or gpu or spec.get("model"):
         args += ["--model", a.model or spec.get("model") or "350m"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
@@ -257,17 +300,19 @@ def _launch(a: argparse.Namespace, spec: dict, nproc: int, gpu: bool) -> Optiona
     return None
 
 
-def print_table(results: List[dict]) -> None:
+def print_table(results: List[dict], baseline: Optional[str] = None) -> None:
     if not results:
         return
-    base = next((r for r in results if r["impl"] in ("torch", "ddp")), results[0])
-    print(f"\n{'implementation':<22}{'tokens/s/GPU':>14}{'ratio':>8}{'step ms':>10}{'MFU':>8}{'peak GiB':>10}")
+    wanted = (baseline,) if baseline else ("torch", "ddp")
+    base = next((r for r in results if r["impl"] in wanted), results[0])
+    print(f"\n{'implementation':<30}{'tokens/s/GPU':>14}{'ratio':>8}{'step ms':>10}{'MFU':>8}{'peak GiB':>10}")
     for r in results:
         name = r["impl"] + (f" ZeRO-{r['stage']}" if r["stage"] is not None else "")
         name += (" +offload" if r.get("offload") else "") + (" DPU" if r.get("delayed_update") else "")
+        name += " half-norm" if r.get("norm_activations") == "half" else ""
         mfu = f"{r['mfu'] * 100:.1f}%" if r["mfu"] is not None else "-"
         mem = r["peak_mem_gb"] if r["peak_mem_gb"] is not None else "-"
-        print(f"{name:<22}{r['tok_s_gpu']:>14,}{r['tok_s_gpu'] / base['tok_s_gpu']:>8.3f}"
+        print(f"{name:<30}{r['tok_s_gpu']:>14,}{r['tok_s_gpu'] / base['tok_s_gpu']:>8.3f}"
               f"{r['step_ms']:>10}{mfu:>8}{mem:>10}")
     print(f"(ratio against {base['impl']}; model {base['model']}, {base['dtype']}, world {base['world']})")
 
