@@ -1,0 +1,66 @@
+"""What a training function running on a worker sees: its group, and a line to the driver.
+
+The training function is `fn(ctx)`, called on every worker of a group each time the group
+(re)forms. It must resume from the newest committed checkpoint under `ctx.storage_path`: the
+driver re-runs it after every membership change.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from hybrid_ray.engine.topology import Topology
+
+
+@dataclass
+class WorkerContext:
+    """topology: this worker's place in the current group (process group already formed).
+    generation: how many times the group has been formed before this one (0 first).
+    storage_path/run_name: where the run keeps checkpoints; the same on every worker.
+    """
+
+    topology: Topology
+    generation: int
+    storage_path: str
+    run_name: str
+    _report: Callable[[dict], None] = field(repr=False, default=lambda rec: None)
+    _beat: Callable[[int], None] = field(repr=False, default=lambda step: None)
+    _stop: Callable[[], bool] = field(repr=False, default=lambda: False)
+
+    @property
+    def rank(self) -> int:
+        return self.topology.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.topology.world_size
+
+    def report(self, record: dict) -> None:
+        """Send a metrics record (any JSON-able dict) to the driver."""
+        self._report(dict(record))
+
+    def step_done(self, step: int) -> None:
+        """Tell the driver this rank finished optimizer step `step` (its heartbeat)."""
+        self._beat(int(step))
+
+    def stop_requested(self) -> bool:
+        """Whether the driver asked this worker to stop at the next checkpoint boundary.
+
+        Ranks can see the request at different moments: use `agree_to_stop` at the boundary so
+        every rank stops at the same step."""
+        return self._stop()
+
+    def agree_to_stop(self) -> bool:
+        """Collective: True on every rank when any rank saw a stop request."""
+        flag = torch.tensor([1.0 if self._stop() else 0.0], device=self.topology.device)
+        if self.topology.group is not None:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.topology.group)
+        return bool(flag.item() > 0)
+
+
+def local_context(storage_path: str, run_name: str, topology: Optional[Topology] = None) -> WorkerContext:
+    """A context for running a training function without Ray (tests, torchrun)."""
+    return WorkerContext(topology or Topology.from_environment(), 0, storage_path, run_name)

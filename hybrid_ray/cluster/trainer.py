@@ -1,0 +1,54 @@
+"""ElasticTrainer: the user's entry point to training on a Ray cluster.
+
+    trainer = ElasticTrainer(train_fn, scaling=ScalingConfig(min_workers=1, max_workers=4),
+                             failure=FailureConfig(max_failures=3), storage_path="/shared/runs",
+                             run_name="gpt-350m")
+    result = trainer.fit()
+
+`train_fn(ctx)` runs on every worker of each generation of the group and must resume from the
+newest checkpoint under ctx.storage_path/ctx.run_name (the LM job does). Connects to the Ray
+cluster at `address` (or RAY_ADDRESS); with neither, starts a local one with ray.init().
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Optional
+
+from .config import FailureConfig, ScalingConfig
+from .controller import Controller, Result
+
+
+class ElasticTrainer:
+    def __init__(self, train_fn: Callable, scaling: Optional[ScalingConfig] = None,
+                 failure: Optional[FailureConfig] = None, storage_path: str = "./runs",
+                 run_name: str = "run", address: Optional[str] = None,
+                 on_record: Optional[Callable[[dict], None]] = None,
+                 on_event: Optional[Callable[[str], None]] = None):
+        if not callable(train_fn):
+            raise TypeError(f"train_fn must be callable as train_fn(ctx), got {type(train_fn).__name__}")
+        self.train_fn = train_fn
+        self.scaling = scaling or ScalingConfig()
+        self.failure = failure or FailureConfig()
+        # Workers may run on other nodes: hand them an absolute path (or a URI as given).
+        self.storage_path = storage_path if "://" in storage_path else os.path.abspath(storage_path)
+        self.run_name, self.address = run_name, address
+        self.on_record, self.on_event = on_record, on_event
+        self.controller: Optional[Controller] = None
+
+    def fit(self) -> Result:
+        _connect(self.address)
+        self.controller = Controller(self.train_fn, self.scaling, self.failure, self.storage_path,
+                                     self.run_name, self.on_record, self.on_event)
+        return self.controller.run()
+
+
+def _connect(address: Optional[str]) -> None:
+    """Join the cluster (address, RAY_ADDRESS) or start a local one; keep an existing session."""
+    import ray
+    if ray.is_initialized():
+        return
+    # Ray 2.60 turns token authentication on once a token exists; a local session started here
+    # has none, so say so explicitly unless the user chose.
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(address=address or os.environ.get("RAY_ADDRESS"), log_to_driver=True,
+             include_dashboard=False if not (address or os.environ.get("RAY_ADDRESS")) else None)

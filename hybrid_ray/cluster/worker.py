@@ -1,0 +1,147 @@
+"""The worker actor: owns one GPU (or some CPUs), joins a process group, runs the training function.
+
+The training runs on a thread of the actor, so the driver can poll the actor while it trains.
+A group is formed with a fresh TCP rendezvous for every membership change; when the training
+ends (finished, stopped, or failed because a peer vanished) the process group is destroyed and
+the actor waits for the next one. The process itself lives on: the driver keeps healthy actors.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import threading
+import time
+import traceback
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from hybrid_ray.engine.topology import Topology
+
+from .context import WorkerContext
+
+IDLE, RUNNING, FINISHED, STOPPED, FAILED = "idle", "running", "finished", "stopped", "failed"
+
+
+class StopTraining(Exception):
+    """Raised inside a training function to end it at a stop request (ctx.agree_to_stop())."""
+
+
+class Worker:
+    """Body of the Ray actor (the Ray layer wraps it with ray.remote)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._state = IDLE
+        self._error: Optional[str] = None
+        self._records: List[dict] = []
+        self._step = -1
+        self._step_time = time.monotonic()
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._result: Any = None
+
+    # ---- identity and rendezvous -----------------------------------------------------
+    def info(self) -> Dict[str, Any]:
+        import ray
+        ctx = ray.get_runtime_context()
+        return {"ip": ray.util.get_node_ip_address(), "node_id": ctx.get_node_id(),
+                "pid": os.getpid(), "gpus": [str(g) for g in ray.get_gpu_ids()]}
+
+    def free_port(self) -> int:
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return s.getsockname()[1]
+
+    # ---- a training run ---------------------------------------------------------------
+    def start(self, fn: Callable[[WorkerContext], Any], spec: Dict[str, Any]) -> None:
+        """Join the group described by spec and run fn on a thread; returns at once."""
+        if self._thread is not None and self._thread.is_alive():
+            raise RuntimeError("worker is still running the previous group's training")
+        with self._lock:
+            self._state, self._error, self._result = RUNNING, None, None
+            self._step, self._step_time = -1, time.monotonic()
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._main, args=(fn, spec), daemon=True,
+                                        name=f"hybrid-ray-train-g{spec['generation']}")
+        self._thread.start()
+
+    def _main(self, fn: Callable[[WorkerContext], Any], spec: Dict[str, Any]) -> None:
+        state, error = FINISHED, None
+        try:
+            topo = _join(spec)
+            ctx = WorkerContext(topo, spec["generation"], spec["storage_path"], spec["run_name"],
+                                self._report, self._beat, self._stop.is_set)
+            self._result = fn(ctx)
+        except StopTraining:
+            state = STOPPED
+        except BaseException:  # noqa: BLE001 - everything goes back to the driver
+            state, error = FAILED, traceback.format_exc(limit=20)
+        _leave(orderly=state != FAILED)
+        with self._lock:
+            self._state, self._error = state, error
+
+    def _report(self, record: dict) -> None:
+        with self._lock:
+            self._records.append(record)
+
+    def _beat(self, step: int) -> None:
+        with self._lock:
+            self._step, self._step_time = step, time.monotonic()
+
+    # ---- what the driver calls while it runs -------------------------------------------
+    def poll(self) -> Dict[str, Any]:
+        """State, error, newest step and its age, and the metric records since the last poll."""
+        with self._lock:
+            records, self._records = self._records, []
+            return {"state": self._state, "error": self._error, "step": self._step,
+                    "step_age_s": time.monotonic() - self._step_time, "records": records}
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Wait for the training thread to end; False if it is still running (frozen)."""
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            return not self._thread.is_alive()
+        return True
+
+    def result(self) -> Any:
+        return self._result
+
+
+def _join(spec: Dict[str, Any]) -> Topology:
+    """Form this generation's process group (fresh TCP rendezvous at the rank-0 worker)."""
+    rank, world = spec["rank"], spec["world_size"]
+    device = torch.device("cuda", 0) if spec["use_gpu"] else torch.device("cpu")
+    if spec.get("threads"):
+        torch.set_num_threads(spec["threads"])
+    # Code that reads the environment (Topology.from_environment, torch helpers) sees this group.
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                      MASTER_ADDR=spec["master_addr"], MASTER_PORT=str(spec["master_port"]))
+    if world == 1:
+        return Topology(0, 1, device, None)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                            init_method=f"tcp://{spec['master_addr']}:{spec['master_port']}",
+                            rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=spec["collective_timeout_s"]))
+    return Topology(rank, world, device, dist.group.WORLD)
+
+
+def _leave(orderly: bool) -> None:
+    """Destroy the group. After a clean end the ranks meet first: gloo tears a pair down badly
+    when one side destroys while the other still sends. A group broken by a lost peer is just
+    dropped (its collectives would fail or hang)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    try:
+        if orderly:
+            dist.barrier()
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - a broken group may not tear down cleanly; drop it anyway
+        pass

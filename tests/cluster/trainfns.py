@@ -1,0 +1,82 @@
+"""Training functions the cluster tests run on Ray workers (pickled by value, see conftest).
+
+A small MLP trained by the engine in fp32 at ZeRO-2 with a fixed global batch of 8 samples
+drawn from the step number alone, so every world size sees the same data per step and a run
+resumed from a checkpoint replays exactly what an uninterrupted run does.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+import torch.nn as nn
+
+import hybrid_ray
+from hybrid_ray.cluster import StopTraining, WorkerContext
+
+GLOBAL_BATCH, DIM = 8, 16
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(DIM, 32), nn.Tanh(), nn.Linear(32, 1))
+
+
+def _batch(step: int, rank: int, world: int):
+    g = torch.Generator().manual_seed(1000 + step)
+    x = torch.randn(GLOBAL_BATCH, DIM, generator=g)
+    y = x.sum(dim=1, keepdim=True).sin()
+    per = GLOBAL_BATCH // world
+    return x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
+
+
+def train_mlp(ctx: WorkerContext, steps: int = 12, every: int = 2, stage: int = 2,
+              fault: dict | None = None, step_delay: float = 0.0):
+    """Train to `steps`, checkpoint every `every` steps, resume from the newest checkpoint.
+
+    fault: {"generation": g, "rank": r, "step": s, "kind": "exit" | "freeze"} makes that rank
+    exit its process or hang forever at step s of generation g (a lost or frozen worker)."""
+    world = ctx.world_size
+    cfg = {"train_batch_size": GLOBAL_BATCH, "train_micro_batch_size_per_gpu": GLOBAL_BATCH // world,
+           "gradient_clipping": 1.0, "zero_optimization": {"stage": stage},
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}}}
+    engine, _, _, _ = hybrid_ray.initialize(_model(), config=cfg, topology=ctx.topology)
+    ckpt = os.path.join(ctx.storage_path, ctx.run_name, "checkpoints")
+    engine.load_checkpoint(ckpt)
+    while engine.global_steps < steps:
+        step = engine.global_steps
+        _maybe_fault(ctx, step, fault)
+        x, y = _batch(step, ctx.rank, world)
+        loss = nn.functional.mse_loss(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        ctx.step_done(engine.global_steps)
+        if ctx.rank == 0:
+            ctx.report({"step": engine.global_steps, "loss": loss.item(), "world_size": world})
+        time.sleep(step_delay)
+        if engine.global_steps % every == 0:
+            engine.save_checkpoint(ckpt)
+            if ctx.agree_to_stop():
+                raise StopTraining()
+    state = {k: v.clone() for k, v in engine.consolidated_state_dict().items()}
+    engine.close()
+    return state
+
+
+def _maybe_fault(ctx: WorkerContext, step: int, fault: dict | None) -> None:
+    if not fault or fault["generation"] != ctx.generation or fault["rank"] != ctx.rank \
+            or fault["step"] != step:
+        return
+    if fault["kind"] == "exit":
+        os._exit(1)
+    while True:  # frozen: alive, never steps again, never answers a collective
+        time.sleep(3600)
+
+
+def reference(rank: int, world: int, storage: str, out: str, steps: int) -> None:
+    """The same training under the plain process-group harness (torchrun's way), for parity."""
+    from hybrid_ray.cluster import local_context
+    state = train_mlp(local_context(storage, "reference"), steps=steps)
+    if rank == 0:
+        torch.save(state, out)

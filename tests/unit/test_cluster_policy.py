@@ -1,0 +1,65 @@
+"""Scaling and failure policies and the cluster configs, without Ray."""
+from __future__ import annotations
+
+import pytest
+
+from hybrid_ray.cluster.config import ClusterConfigError, FailureConfig, ScalingConfig
+from hybrid_ray.cluster.policy import FailurePolicy, ScalingPolicy, stalled
+
+
+def test_initial_size_takes_what_fits_up_to_max_and_waits_below_min() -> None:
+    p = ScalingPolicy(ScalingConfig(min_workers=2, max_workers=4))
+    assert p.initial(8).size == 4
+    assert p.initial(3).size == 3
+    d = p.initial(1)
+    assert d.size is None and "min_workers is 2" in d.reason
+
+
+def test_after_loss_keeps_survivors_adds_replacements_and_refuses_below_min() -> None:
+    p = ScalingPolicy(ScalingConfig(min_workers=2, max_workers=4))
+    assert p.after_loss(survivors=3, can_add=0).size == 3
+    assert p.after_loss(survivors=3, can_add=5).size == 4
+    assert p.after_loss(survivors=1, can_add=1).size == 2
+    assert p.after_loss(survivors=1, can_add=0).size is None
+
+
+def test_growth_only_with_room_and_never_past_max() -> None:
+    p = ScalingPolicy(ScalingConfig(min_workers=1, max_workers=3))
+    assert p.growth(2, 0).size is None
+    assert p.growth(2, 4).size == 3
+    assert p.growth(3, 4).size is None
+
+
+def test_failure_budget() -> None:
+    assert FailurePolicy(FailureConfig(max_failures=2)).may_recover(2).size == 1
+    d = FailurePolicy(FailureConfig(max_failures=2)).may_recover(3)
+    assert d.size is None and "max_failures=2" in d.reason
+    assert FailurePolicy(FailureConfig(max_failures=-1)).may_recover(1000).size == 1
+
+
+def test_stalled() -> None:
+    assert not stalled(last_progress=100.0, now=129.0, timeout_s=30.0)
+    assert stalled(last_progress=100.0, now=131.0, timeout_s=30.0)
+
+
+@pytest.mark.parametrize("kwargs, key", [
+    (dict(min_workers=0), "scaling.min_workers"),
+    (dict(min_workers=3, max_workers=2), "scaling.max_workers"),
+    (dict(placement_strategy="RANDOM"), "scaling.placement_strategy"),
+    (dict(resources_per_worker={"GPU": -1}), "scaling.resources_per_worker.GPU"),
+])
+def test_bad_scaling_names_the_key(kwargs, key) -> None:
+    with pytest.raises(ClusterConfigError, match=key.replace(".", r"\.")):
+        ScalingConfig(**kwargs)
+
+
+def test_bad_failure_names_the_key() -> None:
+    with pytest.raises(ClusterConfigError, match=r"failure\.heartbeat_timeout_s"):
+        FailureConfig(heartbeat_timeout_s=0)
+    with pytest.raises(ClusterConfigError, match=r"failure\.max_failures"):
+        FailureConfig(max_failures=-2)
+
+
+def test_worker_resources_default_cpu_and_gpu() -> None:
+    assert ScalingConfig().worker_resources() == {"CPU": 1.0}
+    assert ScalingConfig(use_gpu=True).worker_resources() == {"CPU": 1.0, "GPU": 1.0}
