@@ -97,7 +97,8 @@ def list_dirs(fs, path: str):
 
 
 def tensors_to_bytes(tensors: Dict[str, torch.Tensor]) -> bytes:
-    tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+    # clone: torch.save writes a view's whole storage, and snapshot tensors are views of one buffer
+    tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}
     if _safetensors is not None:
         return _safetensors.save(tensors)
     buf = io.BytesIO()

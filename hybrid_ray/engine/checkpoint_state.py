@@ -28,19 +28,43 @@ Tensors = Dict[str, torch.Tensor]
 
 
 class HostBuffers:
-    """Host tensors a snapshot copies into, reused by the next snapshot of the same shapes.
+    """Host tensors a snapshot copies into, reused by the next snapshot of the same layout.
 
     Pinned when the state lives on a GPU: device-to-host copies into pinned memory run at full
     bus speed without a staging copy, and are issued non-blocking with one synchronisation at
     the end. Pinning gigabytes costs seconds, hence the reuse (an asynchronous save keeps its
-    buffers; a synchronous one drops them).
+    buffers; a synchronous one drops them). torch rounds every pinned allocation up to a power
+    of two, so a group of tensors reserved together shares one allocation (rounded once).
     """
+
+    ALIGN = 64  # bytes; every view starts aligned for any dtype
 
     def __init__(self, pin: bool):
         self.pin = pin
         self._buffers: Tensors = {}
+        self._groups: Dict[str, tuple] = {}  # group -> its layout, to reuse or replace it
+
+    def reserve(self, group: str, specs: List[Tuple[str, torch.Size, torch.dtype]]) -> None:
+        """Lay out (key, shape, dtype) tensors in one allocation, unless the group has this layout."""
+        layout = tuple((key, tuple(shape), dtype) for key, shape, dtype in specs)
+        old = self._groups.get(group)
+        if old == layout:
+            return
+        for key, _, _ in old or ():
+            self._buffers.pop(key, None)  # let the old allocation go
+        offsets, total = [], 0
+        for _, shape, dtype in layout:
+            total = -(-total // self.ALIGN) * self.ALIGN
+            offsets.append(total)
+            total += torch.Size(shape).numel() * dtype.itemsize
+        arena = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=self.pin)
+        for (key, shape, dtype), off in zip(layout, offsets):
+            nbytes = torch.Size(shape).numel() * dtype.itemsize
+            self._buffers[key] = arena[off:off + nbytes].view(dtype).view(shape)
+        self._groups[group] = layout
 
     def copy(self, key: str, source: torch.Tensor) -> torch.Tensor:
+        """`source` copied into the buffer for `key` (allocated alone if not reserved)."""
         buf = self._buffers.get(key)
         if buf is None or buf.shape != source.shape or buf.dtype != source.dtype:
             buf = torch.empty(source.shape, dtype=source.dtype, pin_memory=self.pin)
@@ -72,10 +96,16 @@ def snapshot_params(engine, buffers: HostBuffers) -> Tuple[Tensors, List[dict]]:
     owner = {n: i % topo.world_size for i, n in enumerate(ordered)}
     out: Tensors = {}
     index: List[dict] = []
+    per_space = []
     for space, master in zip(engine.spaces, engine.zero.masters):
-        keys = ["master"] + _per_element_keys(engine, master)
         tensors = {"master": master.detach()}
-        tensors.update({k: engine.optimizer.state[master][k] for k in keys[1:]})
+        tensors.update({k: engine.optimizer.state[master][k] for k in _per_element_keys(engine, master)})
+        per_space.append((space, tensors))
+    buffers.reserve("params", [(f"{names[id(p)]}/{key}", space.shapes[id(p)], t.dtype)
+                               for space, tensors in per_space for key, t in tensors.items()
+                               for p in space.params if owner[names[id(p)]] == topo.rank])
+    for space, tensors in per_space:
+        keys = list(tensors)
         for key in keys:  # the same order on every rank: full_flat is collective
             full = relayout.full_flat(space, tensors[key], topo)
             for p, off in space.param_offsets():

@@ -190,3 +190,22 @@ def test_commit_gives_up_on_a_silent_rank_and_tells_the_others(tmp_path: Path) -
     rank1 = cwrite.SaveJob(fs, root, "t", "abcd", 1, 2, 5, settings, byte_files={"rng-rank00001.json": b"{}"})
     with pytest.raises(CheckpointError, match=r"rank 0 did not commit .*/t: gave up after 0.2 s"):
         cwrite.run(rank1)  # a late rank 1 finds rank 0's abort.json instead of waiting
+
+
+def test_host_buffers_share_one_allocation_and_are_reused() -> None:
+    from hybrid_ray.engine.checkpoint_state import HostBuffers
+    buffers = HostBuffers(pin=False)
+    specs = [("a", torch.Size([3, 5]), torch.float32), ("b", torch.Size([]), torch.int64),
+             ("c", torch.Size([7]), torch.bfloat16)]
+    buffers.reserve("params", specs)
+    a = buffers.copy("a", torch.ones(3, 5))
+    b = buffers.copy("b", torch.tensor(7))
+    c = buffers.copy("c", torch.arange(7).bfloat16())
+    assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() == c.untyped_storage().data_ptr()
+    assert all(t.data_ptr() % HostBuffers.ALIGN == 0 for t in (a, b, c))
+    assert a.sum() == 15 and b.item() == 7 and c.float().sum() == 21  # no view overlaps another
+    buffers.reserve("params", specs)  # same layout: the same memory
+    assert buffers.copy("a", torch.zeros(3, 5)).data_ptr() == a.data_ptr()
+    buffers.reserve("params", specs[:1])  # another layout: a new allocation, the old keys gone
+    assert buffers.copy("a", torch.zeros(3, 5)).data_ptr() != a.data_ptr()
+    assert "b" not in buffers._buffers
