@@ -42,7 +42,9 @@ def initialize(model: nn.Module, model_parameters: Any = None, config: Any = Non
                     optimizer, lr_scheduler, loss_scaler, topology)
     loader = None
     if training_data is not None:
+        # A sampler keyed by the global sample index: its position is resumable at any world size.
         loader = build_dataloader(training_data, engine.train_micro_batch_size_per_gpu(),
-                                  engine.topology, collate_fn=collate_fn, seed=engine.config.seed or 0)
+                                  engine.topology, collate_fn=collate_fn, seed=engine.config.seed or 0,
+                                  global_batch=engine.train_batch_size())
         engine.training_dataloader = loader  # its data position goes into checkpoints, if it has one
     return engine, engine.optimizer, loader, engine.lr_scheduler
