@@ -6,8 +6,10 @@ export RAY_AUTH_MODE ?= disabled
 setup:
 	bash infra/setup.sh
 
+# Builds the dataset (seconds; skipped when it exists), then trains on 2 CPU processes.
 train: setup
-	$(PY) jobs/train_local.py --config jobs/configs/small_cpu.json
+	$(PY) jobs/prepare_data.py --config jobs/configs/small_cpu.json
+	$(PY) jobs/train_lm.py --config jobs/configs/small_cpu.json
 
 test: setup
 	$(PY) -m pytest -q tests

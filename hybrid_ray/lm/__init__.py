@@ -1,7 +1,9 @@
-"""The local language-model job: byte-level GPT on the Python standard library's sources.
+"""The language-model job: a GPT trained by the engine on a prepared token dataset.
 
-    jobs/train_local.py --config jobs/configs/small_cpu.json    # or: hybrid-ray train CONFIG
+    jobs/train_lm.py --config jobs/configs/small_cpu.json    # or: hybrid-ray train CONFIG
 
-stdlib_bytes.py builds the data, job.py reads the job file, loop.py trains (one rank), launch.py
-validates and starts the ranks with torchrun.
+job.py reads the job file; setup.py prepares the data (hybrid_ray.data) and builds model, engine
+and loader; loop.py trains (one rank, called the same way by torchrun and, later, Ray workers);
+evaluate.py holds validation loss and sampling; launch.py validates and starts the ranks with
+torchrun; prepare_main.py is jobs/prepare_data.py.
 """

@@ -1,29 +1,35 @@
-"""The job file of the local language-model run: engine config plus model and run settings.
+"""The job file of the language-model job: engine config plus model, data and run settings.
 
-    {"engine": {...DeepSpeed-style config...}, "model": {...}, "train": {...}}
+    {"engine": {...DeepSpeed-style config...}, "model": {...}, "data": {...}, "train": {...}}
 
-The engine rejects unknown keys, so the model and run settings cannot live in its config; they
-sit in their own sections, which are just as strict (same loader, same one-line errors). The
-`engine` section is passed to `hybrid_ray.initialize` unchanged.
+The engine rejects unknown keys, so the model, data and run settings cannot live in its config;
+they sit in their own sections, which are just as strict (same loader, same one-line errors). The
+`engine` section is passed to `hybrid_ray.initialize` (with the batch split for the world size,
+see `for_world`).
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
+import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Mapping, Optional, Sequence, Union
 
 from hybrid_ray.config import Config, ConfigError, load_config
 from hybrid_ray.config.api import read_json
 from hybrid_ray.config.errors import Verbatim, config_error, unknown_key_error
 from hybrid_ray.config.loader import checked, load_dataclass
+from hybrid_ray.data.corpus import CorpusSpec
+from hybrid_ray.data.sampler import split_global_batch
 
-SECTIONS = ("engine", "model", "train")
+SECTIONS = ("engine", "model", "data", "train")
 
 
 @dataclass(frozen=True)
 class ModelSection:
-    """Shape of the GPT (vocabulary is fixed at 256: the tokens are bytes)."""
+    """Shape of the GPT; the vocabulary comes from the dataset's tokenizer."""
 
     n_layer: int = checked(4, ge=1)
     """Transformer blocks."""
@@ -32,9 +38,11 @@ class ModelSection:
     d_model: int = checked(128, ge=1)
     """Width of the residual stream."""
     seq_len: int = checked(128, ge=2)
-    """Context length in bytes."""
+    """Context length in tokens (a training window is seq_len + 1 tokens)."""
     dropout: float = checked(0.0, ge=0, lt=1)
     """Dropout in attention (0 for short runs: nothing to regularise yet)."""
+    vocab_multiple: int = checked(64, ge=1)
+    """Round the embedding up to a multiple of this (GPU matmuls like multiples of 64)."""
 
     def validate(self, path: str) -> None:
         if self.d_model % self.n_head:
@@ -44,8 +52,22 @@ class ModelSection:
 
 
 @dataclass(frozen=True)
+class DataSection:
+    """Where the token dataset lives and how it is built when missing."""
+
+    path: str = checked()
+    """Prepared dataset: a folder (relative to the working directory) or a pyarrow.fs URI."""
+    prepare: bool = True
+    """Build the dataset from `corpus` when `path` holds none (jobs/prepare_data.py does the same)."""
+    corpus: CorpusSpec = field(default_factory=CorpusSpec)
+    """Source folder, tokenizer, size cap and validation share (hybrid_ray/data/corpus.py)."""
+    cache_dir: Optional[str] = None
+    """Local copies of remote shards; null means ~/.cache/hybrid_ray/shards."""
+
+
+@dataclass(frozen=True)
 class TrainSection:
-    """Length of the run, evaluation, data and the closing sample."""
+    """Length of the run, evaluation, checkpoints and the closing sample."""
 
     steps: int = checked(ge=1)
     """Optimizer steps (required); a scheduler's total_num_steps must equal it."""
@@ -53,12 +75,12 @@ class TrainSection:
     """Evaluate validation loss every this many steps (and always at the end)."""
     eval_samples: Optional[int] = checked(256, ge=1)
     """Validation windows in periodic evaluations; null means all. The final one uses all."""
-    corpus_bytes: int = checked(3_500_000, ge=10_000)
-    """Cap on the stdlib bytes read (files are taken whole, in sorted order)."""
-    val_fraction: float = checked(0.05, gt=0, lt=1)
-    """Fraction of the files, the last ones, held out for validation."""
-    sample_bytes: int = checked(300, ge=0)
-    """Bytes generated from the trained model at the end; 0 skips the sample."""
+    out_dir: Optional[str] = None
+    """Run folder: checkpoints/ and metrics.jsonl; null writes neither (and cannot resume)."""
+    save_interval: Optional[int] = checked(None, ge=1)
+    """Checkpoint every this many steps (and at the end) when out_dir is set; null: end only."""
+    sample_tokens: int = checked(100, ge=0)
+    """Tokens generated from the trained model at the end; 0 skips the sample."""
     sample_prompt: str = "def "
     """Text the sample starts from."""
     temperature: float = checked(0.8, ge=0)
@@ -72,6 +94,7 @@ class Job:
     """A validated job file."""
 
     engine: Config
+    data: DataSection
     train: TrainSection
     model: ModelSection = field(default_factory=ModelSection)
     path: str = ""
@@ -83,27 +106,86 @@ def is_job_file(raw: Any) -> bool:
     return isinstance(raw, Mapping) and "engine" in raw
 
 
-def load_job(source: Union[str, os.PathLike, Mapping[str, Any]]) -> Job:
-    """Load and validate a job file (path or dict); every error is one-line ConfigError."""
+def load_job(source: Union[str, os.PathLike, Mapping[str, Any]],
+             overrides: Sequence[str] = ()) -> Job:
+    """Load and validate a job file (path or dict), with `KEY.PATH=VALUE` overrides applied
+    first (see apply_overrides); every error is one-line ConfigError."""
     path = "" if isinstance(source, Mapping) else str(source)
     raw = source if isinstance(source, Mapping) else read_json(Path(source))
+    if overrides:
+        raw = apply_overrides(raw, overrides)
     if not isinstance(raw, Mapping):
         raise config_error("", "expected an object", raw, "sections: " + ", ".join(SECTIONS))
     if not is_job_file(raw):
         raise config_error("engine", "missing required section", allowed=(
-            "a job file holds {\"engine\": {...engine config...}, \"model\": {...}, "
-            "\"train\": {...}}; see jobs/configs/small_cpu.json"))
+            "a job file holds {\"engine\": {...engine config...}, \"model\": {...}, \"data\": "
+            "{...}, \"train\": {...}}; see jobs/configs/small_cpu.json"))
     for key in raw:
         if key not in SECTIONS:
             raise unknown_key_error("", key, SECTIONS)
-    if "train" not in raw:
-        raise config_error("train", "missing required section",
-                           allowed="a job file needs 'engine' and 'train' ('model' is optional)")
+    # Sections in the order of the file's usual layout, so the first error reported is the
+    # first one a reader meets.
     engine = _load_engine(raw["engine"])
     model = load_dataclass(ModelSection, raw.get("model", {}), "model")
-    train = load_dataclass(TrainSection, raw["train"], "train")
+    train = load_dataclass(TrainSection, _required(raw, "train"), "train")
     _check_schedule(engine, train)
-    return Job(engine, train, model, path)
+    data = load_dataclass(DataSection, _required(raw, "data"), "data")
+    return Job(engine, data, train, model, path)
+
+
+def apply_overrides(raw: Any, overrides: Sequence[str]) -> dict:
+    """A copy of raw with each `a.b.c=VALUE` set; VALUE is JSON (`true`, `3e-4`, `{"x": 1}`) or,
+    if it does not parse, a string. Missing sections are created; the result is validated like
+    any job file, so a misspelt key is still an error that names it."""
+    out = copy.deepcopy(dict(raw)) if isinstance(raw, Mapping) else {}
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key or any(not k for k in key.split(".")):
+            raise config_error("--set", "expected KEY.PATH=VALUE", item)
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            value = text
+        *parents, last = key.split(".")
+        node = out
+        for name in parents:
+            if not isinstance(node.get(name, {}), dict):
+                raise config_error(key, "cannot set inside a non-object", node[name])
+            node = node.setdefault(name, {})
+        node[last] = value
+    return out
+
+
+def _required(raw: Mapping[str, Any], key: str) -> Any:
+    if key not in raw:
+        raise config_error(key, "missing required section",
+                           allowed="a job file needs 'engine', 'data' and 'train' ('model' is optional)")
+    return raw[key]
+
+
+def for_world(job: Job, world: int) -> Job:
+    """The job with its batch split for `world` data-parallel ranks.
+
+    With `train_batch_size` set, the global batch is the constant of the run: the micro-batch
+    and accumulation steps are recomputed for the world size (split_global_batch's rule), so a
+    job resumed on another number of ranks takes the same optimizer steps over the same sample
+    stream. Without it the DeepSpeed rule applies (global batch = micro x accumulation x world).
+    Raises ConfigError naming the keys when the world size cannot carry the batch.
+    """
+    cfg = job.engine
+    if cfg.train_batch_size is not None:
+        micro = cfg.train_micro_batch_size_per_gpu or cfg.train_batch_size
+        try:
+            sizes = split_global_batch(cfg.train_batch_size, world, micro)
+        except ValueError as exc:
+            raise ConfigError(f"engine.train_batch_size: {exc}", "engine.train_batch_size") from None
+        cfg = dataclasses.replace(cfg, train_micro_batch_size_per_gpu=sizes.micro_batch_size,
+                                  gradient_accumulation_steps=sizes.gradient_accumulation_steps)
+    try:
+        cfg.resolve_batch(world)
+    except ConfigError as exc:
+        raise type(exc)(f"[engine] {exc}", f"engine.{exc.path}") from None
+    return dataclasses.replace(job, engine=cfg)
 
 
 def _load_engine(raw: Any) -> Config:

@@ -1,9 +1,10 @@
-"""Start the local run: validate the job file, then train here or re-launch under torchrun.
+"""Start the LM job: validate the job file, prepare the data, then train here or under torchrun.
 
-A plain `python jobs/train_local.py --config X` (no RANK/WORLD_SIZE in the environment) starts
-`python -m torch.distributed.run --standalone --nproc_per_node=N -m hybrid_ray.lm ...`, which runs
-N copies of this same code with the variables set. Under torchrun or a Ray worker (the variables
-already set) it trains directly.
+A plain `python jobs/train_lm.py --config X` (no RANK/WORLD_SIZE in the environment) prepares the
+dataset if it is missing, then starts `python -m torch.distributed.run --standalone
+--nproc_per_node=N -m hybrid_ray.lm ...`, which runs N copies of this same code with the
+variables set. Under torchrun (the variables already set) it trains directly. A Ray worker calls
+`hybrid_ray.lm.loop.train(job, RunContext(...))` instead: no argument parsing, no processes.
 """
 from __future__ import annotations
 
@@ -15,22 +16,29 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 import torch.distributed as dist
 
 from hybrid_ray.config import ConfigError
-from hybrid_ray.lm.job import Job, load_job
+from hybrid_ray.lm.job import Job, for_world, load_job
 
 EXIT_FAILED, EXIT_CONFIG = 1, 2
 _PACKAGE_PARENT = str(Path(__file__).resolve().parents[2])
 
 
-def parser(prog: str = "train_local.py") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description="Train a byte-level GPT on the Python "
-                                "standard library's sources with the hybrid_ray engine.")
-    p.add_argument("--config", required=True, help="job file: {engine, model, train} sections")
+def parser(prog: str = "train_lm.py") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description="Train a GPT with the hybrid_ray engine on a "
+                                "token dataset (prepared from the Python standard library by "
+                                "default) and print a sample from it.")
+    p.add_argument("--config", required=True,
+                   help="job file: {engine, model, data, train} sections (jobs/configs/*.json)")
     add_nproc(p)
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the newest checkpoint in train.out_dir (if there is one)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE", dest="overrides",
+                   help="override a job file value, e.g. --set engine.bf16.enabled=false "
+                        "--set train.out_dir=runs/fp32 (VALUE is JSON, else a string); repeatable")
     return p
 
 
@@ -44,37 +52,51 @@ def launched() -> bool:
     return "WORLD_SIZE" in os.environ
 
 
-def main(argv: Optional[List[str]] = None, prog: str = "train_local.py") -> int:
-    """Entry point of jobs/train_local.py and `hybrid-ray train`; returns the exit code."""
+def main(argv: Optional[List[str]] = None, prog: str = "train_lm.py") -> int:
+    """Entry point of jobs/train_lm.py and `hybrid-ray train`; returns the exit code."""
     args = parser(prog).parse_args(argv)
-    return run(args.config, args.nproc)
+    return run(args.config, args.nproc, args.resume, args.overrides)
 
 
-def run(config: str, nproc: int) -> int:
+def run(config: str, nproc: int, resume: bool = False, overrides: Sequence[str] = ()) -> int:
     """Validate the job file before any process starts, then train; returns the exit code."""
     if nproc < 1:
         print(f"error: --nproc: out of range; got {nproc}; allowed: >= 1", file=sys.stderr)
         return EXIT_CONFIG
     try:
-        job = load_job(config)
+        job = load_job(config, overrides)
         # Batch sizes depend on the world size: check them before starting any process.
-        job.engine.resolve_batch(int(os.environ.get("WORLD_SIZE", nproc)))
+        for_world(job, int(os.environ.get("WORLD_SIZE", nproc)))
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     if launched() or nproc == 1:
-        return run_worker(job)
-    return relaunch(config, nproc)
+        return run_worker(job, resume)
+    code = prepare_here(job)
+    return code if code else relaunch(config, nproc, resume, overrides)
 
 
-def run_worker(job: Job) -> int:
+def prepare_here(job: Job) -> int:
+    """Build a missing dataset before the ranks start: its log and errors appear once."""
+    from hybrid_ray.data import ensure_prepared
+
+    try:
+        ensure_prepared(job.data.corpus, job.data.path, job.data.prepare)
+    except (OSError, ValueError) as exc:
+        print(f"error: data: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    return 0
+
+
+def run_worker(job: Job, resume: bool = False) -> int:
     """Train as one rank; a failure prints its traceback, then one line naming the rank and
     the error, and returns exit code 1."""
     from hybrid_ray.lm.loop import train  # torch-heavy: not needed to validate or re-launch
+    from hybrid_ray.lm.setup import RunContext
 
     rank = os.environ.get("RANK", "0")
     try:
-        train(job)
+        train(job, RunContext(resume=resume))
         return 0
     except Exception as exc:  # noqa: BLE001 - every failure must end in a message and exit 1
         traceback.print_exc()
@@ -90,7 +112,7 @@ def run_worker(job: Job) -> int:
             dist.destroy_process_group()
 
 
-def relaunch(config: str, nproc: int) -> int:
+def relaunch(config: str, nproc: int, resume: bool = False, overrides: Sequence[str] = ()) -> int:
     """Run N ranks with torchrun (gloo on CPU, one GPU each on CUDA); returns its exit code."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     env = dict(os.environ)
@@ -100,6 +122,8 @@ def relaunch(config: str, nproc: int) -> int:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [_PACKAGE_PARENT, env.get("PYTHONPATH")]))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc_per_node={nproc}", "-m", "hybrid_ray.lm", "--config", str(Path(config).resolve())]
+    cmd += ["--resume"] if resume else []
+    cmd += [arg for item in overrides for arg in ("--set", item)]
     print(f"launching {nproc} processes: {' '.join(cmd[1:])}", flush=True)
     start = time.perf_counter()
     code = subprocess.call(cmd, env=env)

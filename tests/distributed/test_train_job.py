@@ -1,7 +1,7 @@
-"""jobs/train_local.py end to end: re-launch under torchrun, 2 gloo ranks, exit codes."""
+"""jobs/train_lm.py end to end: data preparation, torchrun re-launch with 2 gloo ranks,
+checkpoints, a resume on another number of processes, exit codes."""
 from __future__ import annotations
 
-import copy
 import json
 import os
 import subprocess
@@ -10,38 +10,62 @@ from pathlib import Path
 
 import pytest
 
-from tests.unit.test_lm_job import TINY
+from tests.unit.test_lm_job import tiny_job
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[2]
 
 
-def run_job(tmp_path: Path, job: dict) -> subprocess.CompletedProcess:
+def run_job(tmp_path: Path, job: dict, *flags: str) -> subprocess.CompletedProcess:
     path = tmp_path / "job.json"
     path.write_text(json.dumps(job))
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
-    return subprocess.run([sys.executable, "jobs/train_local.py", "--config", str(path),
-                           "--nproc", "2"], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run([sys.executable, "jobs/train_lm.py", "--config", str(path), *flags],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
 
 
-def test_two_ranks_train_and_agree(tmp_path):
-    job = copy.deepcopy(TINY)
-    job["engine"]["zero_optimization"]["stage"] = 2
-    proc = run_job(tmp_path, job)
+def test_two_ranks_train_then_resume_on_one(tmp_path):
+    # ZeRO-3: every forward all-gathers, so evaluation (17 windows: 9 and 8 per rank) and
+    # sampling must keep the ranks' forward calls in step.
+    job = tiny_job(tmp_path / "data", tmp_path / "run", steps=20, save_interval=10, eval_interval=10,
+                   eval_samples=17)
+    job["engine"]["zero_optimization"]["stage"] = 3
+    proc = run_job(tmp_path, job, "--nproc", "2")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "prepared " in proc.stdout and proc.stdout.index("prepared ") < proc.stdout.index("launching")
     assert "2 process(es) on cpu (gloo)" in proc.stdout
     assert "batch 16 = 8 micro x 1 accumulation x 2 ranks" in proc.stdout
-    assert "final: train loss" in proc.stdout and "done in" in proc.stdout
+    assert "final: train loss" in proc.stdout and "done in" in proc.stdout and "sample (" in proc.stdout
     assert proc.stdout.count("final:") == 1  # rank 0 prints, rank 1 does not
+    assert "eval  step 10: val loss" in proc.stdout
+    # One process continues the two-process run: same global batch, twice the accumulation,
+    # and the sample stream picks up at 20 steps x 16 samples.
+    job["train"]["steps"] = 30
+    proc = run_job(tmp_path, job, "--nproc", "1", "--resume")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "global_step20 at step 20; data epoch 0, sample 320 of" in proc.stdout
+    assert "batch 16 = 8 micro x 2 accumulation x 1 ranks" in proc.stdout
+    assert "step    30/30" in proc.stdout and "step    10/" not in proc.stdout
 
 
 def test_failure_in_a_rank_exits_1_with_a_message(tmp_path):
-    job = copy.deepcopy(TINY)
-    job["train"]["require_below_baseline"] = True
-    job["train"]["steps"] = 1  # one step cannot beat the unigram baseline
-    proc = run_job(tmp_path, job)
+    job = tiny_job(tmp_path / "data", steps=1, require_below_baseline=True)
+    proc = run_job(tmp_path, job, "--nproc", "2")  # one step cannot beat the unigram baseline
     assert proc.returncode == 1
     assert "training failed: DidNotLearnError: final val loss" in proc.stderr
     assert "error: training failed (torchrun exit code" in proc.stderr
+
+
+def test_bad_job_file_or_data_source_exits_2_before_any_process(tmp_path):
+    job = tiny_job(tmp_path / "data")
+    job["engine"]["train_batch_size"] = 15  # 2 ranks cannot split 15 samples
+    proc = run_job(tmp_path, job, "--nproc", "2")
+    assert proc.returncode == 2 and "launching" not in proc.stdout
+    assert proc.stderr.startswith("error: engine.train_batch_size: train_batch_size 15 is not "
+                                  "divisible by 2 data-parallel ranks")
+    job = tiny_job(tmp_path / "data2")
+    job["data"]["corpus"]["source"] = str(tmp_path / "absent")
+    proc = run_job(tmp_path, job, "--nproc", "2")
+    assert proc.returncode == 2 and "launching" not in proc.stdout
+    assert "absent: not a folder" in proc.stderr

@@ -1,50 +1,53 @@
-"""The local LM job: stdlib byte corpus, strict job file, and a tiny single-process run."""
+"""The LM job: strict job file, the batch rule per world size, a tiny single-process run that
+learns, and checkpoint + resume that continues exactly where an uninterrupted run would be."""
 from __future__ import annotations
 
-import math
+import copy
+import json
+from pathlib import Path
 
 import pytest
-import torch
 
 from hybrid_ray.config import ConfigError, NotSupportedError
-from hybrid_ray.lm.job import load_job
-from hybrid_ray.lm.stdlib_bytes import (ByteWindows, evenly_spaced, load_corpus, stdlib_sources,
-                                        unigram_entropy)
+from hybrid_ray.lm.job import for_world, load_job
+from hybrid_ray.lm.setup import RunContext
 
 TINY = {
-    "engine": {"train_micro_batch_size_per_gpu": 8, "steps_per_print": 10, "seed": 0,
-               "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
+    "engine": {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 8, "steps_per_print": 10,
+               "seed": 0, "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
                "bf16": {"enabled": True}, "zero_optimization": {"stage": 1}},
     "model": {"n_layer": 1, "n_head": 2, "d_model": 32, "seq_len": 32},
-    "train": {"steps": 40, "eval_interval": 20, "eval_samples": 16, "corpus_bytes": 150_000,
-              "sample_bytes": 20, "require_below_baseline": False},
+    "data": {"path": "<set by tiny_job>",
+             "corpus": {"tokenizer": "bytes", "max_bytes": 150_000, "shard_tokens": 20_000}},
+    "train": {"steps": 40, "eval_interval": 20, "eval_samples": 16, "sample_tokens": 20,
+              "require_below_baseline": False},
 }
 
 
-def test_corpus_is_deterministic_and_validation_is_held_out_files():
-    a, b = load_corpus(200_000, 0.1), load_corpus(200_000, 0.1)
-    assert torch.equal(a.train, b.train) and torch.equal(a.val, b.val)
-    assert a.val_files >= 1 and a.train.numel() + a.val.numel() <= 200_000
-    files = stdlib_sources()
-    assert all(p.suffix == ".py" and "site-packages" not in p.parts for p in files)
-    # Validation is the tail of the same ordered file list, not a slice of the training bytes.
-    first_val = files[a.train_files].read_bytes()
-    assert bytes(a.val[:len(first_val)].tolist()) == first_val
+def tiny_job(data_dir: Path, out_dir: Path = None, **train: object) -> dict:
+    """TINY with its dataset (prepared on first use) and run folder under the test's tmp dirs."""
+    job = copy.deepcopy(TINY)
+    job["data"]["path"] = str(data_dir)
+    job["train"].update(train)
+    if out_dir is not None:
+        job["train"]["out_dir"] = str(out_dir)
+    return job
 
 
-def test_unigram_entropy_and_windows():
-    assert unigram_entropy(torch.arange(256, dtype=torch.uint8)) == pytest.approx(math.log(256))
-    assert unigram_entropy(torch.zeros(10, dtype=torch.uint8)) == 0.0
-    w = ByteWindows(torch.arange(10, dtype=torch.uint8), seq_len=3)
-    assert len(w) == 3
-    x, y = w[2]
-    assert x.tolist() == [6, 7, 8] and y.tolist() == [7, 8, 9] and x.dtype == torch.long
-    assert evenly_spaced(10, None) == list(range(10)) and evenly_spaced(10, 4) == [0, 2, 5, 7]
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("tiny_data") / "stdlib-bytes"
+
+
+@pytest.fixture(autouse=True)
+def single_process(monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
 
 
 def test_job_file_errors_name_the_section():
     with pytest.raises(ConfigError, match=r"^train.steps: missing required key"):
-        load_job({"engine": {}, "train": {}})
+        load_job({"engine": {}, "train": {}, "data": {"path": "x"}})
     with pytest.raises(ConfigError, match=r"^egnine: unknown key; did you mean 'engine'\?"):
         load_job({"engine": {}, "egnine": {}, "train": {"steps": 1}})
     with pytest.raises(NotSupportedError,
@@ -53,17 +56,67 @@ def test_job_file_errors_name_the_section():
                   "train": {"steps": 1}})
     with pytest.raises(ConfigError, match=r"^engine: missing required section"):
         load_job({"train_micro_batch_size_per_gpu": 4})
+    with pytest.raises(ConfigError, match=r"^data: missing required section"):
+        load_job({"engine": {}, "train": {"steps": 1}})
+    with pytest.raises(ConfigError, match=r"^data.path: missing required key"):
+        load_job({"engine": {}, "train": {"steps": 1}, "data": {}})
+    with pytest.raises(ConfigError, match=r"^data.corpus.max_bytes: out of range; got 5"):
+        load_job({"engine": {}, "train": {"steps": 1}, "data": {"path": "x", "corpus": {"max_bytes": 5}}})
 
 
-def test_tiny_single_process_run_learns(monkeypatch, capsys):
+def test_shipped_configs_are_valid():
+    configs = Path(__file__).resolve().parents[2] / "jobs" / "configs"
+    for path in sorted(configs.glob("*.json")):
+        job = load_job(path)
+        assert job.engine.train_batch_size, f"{path.name}: set train_batch_size (resizable runs)"
+
+
+def test_for_world_keeps_the_global_batch():
+    job = load_job(tiny_job(Path("unused")))
+    sizes = {w: for_world(job, w).engine.resolve_batch(w) for w in (1, 2, 4, 8, 16)}
+    assert {w: (s.train_batch_size, s.micro_batch_size, s.gradient_accumulation_steps)
+            for w, s in sizes.items()} == {1: (16, 8, 2), 2: (16, 8, 1), 4: (16, 4, 1),
+                                          8: (16, 2, 1), 16: (16, 1, 1)}
+    with pytest.raises(ConfigError, match=r"^engine.train_batch_size: train_batch_size 16 is not "
+                                          r"divisible by 3 data-parallel ranks"):
+        for_world(job, 3)
+
+
+def test_tiny_single_process_run_learns(data_dir, tmp_path, capsys):
     from hybrid_ray.lm.loop import train
 
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
-        monkeypatch.delenv(var, raising=False)
-    result = train(load_job(TINY))
+    result = train(load_job(tiny_job(data_dir, tmp_path / "run")))
     out = capsys.readouterr().out
     assert "step    40/40" in out and "eval  step 20" in out and "final: train loss" in out
-    assert result.steps == 40 and len(result.sample) >= 20
-    # From ln(256) = 5.55 at initialisation to well below: the loop, engine and data fit together.
+    assert "bytes tokenizer, vocabulary 257" in out and "checkpoint: " in out
+    assert result.steps == 40 and len(result.sample) >= 10
+    # From ln(257) = 5.55 at initialisation to well below: the loop, engine and data fit together.
     assert result.val_loss < 4.0 and result.train_loss < 4.0
     assert 2.5 < result.unigram_nats < 4.5
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "train_loss" in r] == [10, 20, 30, 40]
+    assert [r["step"] for r in records if "val_loss" in r] == [20]
+    assert records[-1]["final_val_loss"] == result.val_loss
+
+
+def test_resume_continues_like_an_uninterrupted_run(data_dir, tmp_path):
+    from hybrid_ray.lm.loop import train
+
+    whole = train(load_job(tiny_job(data_dir, tmp_path / "whole", steps=30, sample_tokens=0)))
+    seen = []
+    first = train(load_job(tiny_job(data_dir, tmp_path / "split", steps=20, sample_tokens=0)))
+    second = train(load_job(tiny_job(data_dir, tmp_path / "split", steps=30, sample_tokens=0)),
+                   RunContext(resume=True, report=seen.append))
+    assert first.steps == 20 and second.steps == 30
+    # Weights, optimizer, data position and RNG all continue: the same numbers as one run.
+    assert second.val_loss == whole.val_loss and second.train_loss == whole.train_loss
+    assert [r["step"] for r in seen if "train_loss" in r] == [30]
+    ckpts = sorted(p.name for p in (tmp_path / "split" / "checkpoints").iterdir() if p.is_dir())
+    assert ckpts == ["global_step20", "global_step30"]
+
+
+def test_resume_needs_an_out_dir(data_dir):
+    from hybrid_ray.lm.loop import train
+
+    with pytest.raises(ValueError, match="--resume: train.out_dir is null"):
+        train(load_job(tiny_job(data_dir, steps=1)), RunContext(resume=True))

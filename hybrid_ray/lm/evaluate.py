@@ -1,0 +1,71 @@
+"""Validation loss over held-out windows, and sampling text from the trained model."""
+from __future__ import annotations
+
+import math
+from typing import List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import Dataset
+
+from hybrid_ray.engine.engine import Engine
+
+
+def evenly_spaced(n: int, count: Optional[int]) -> List[int]:
+    """count indices spread over range(n) (all of them when count is None or >= n)."""
+    if count is None or count >= n:
+        return list(range(n))
+    step = n / count
+    return [min(n - 1, math.floor(i * step)) for i in range(count)]
+
+
+def all_sum(t: torch.Tensor, engine: Engine) -> torch.Tensor:
+    """Sum over the data-parallel ranks, in place (nothing to do on one rank)."""
+    if engine.topology.world_size > 1 and dist.is_initialized():
+        dist.all_reduce(t, group=engine.topology.group)
+    return t
+
+
+@torch.no_grad()
+def evaluate(engine: Engine, windows: Dataset, count: Optional[int]) -> float:
+    """Mean loss (nats/token) over `count` evenly spaced windows (all if None), split over ranks."""
+    engine.eval()
+    topo = engine.topology
+    chosen = evenly_spaced(len(windows), count)
+    mine = chosen[topo.rank::topo.world_size]
+    mbs = engine.train_micro_batch_size_per_gpu()
+    # Every rank makes the same number of forward calls: under ZeRO-3 each call all-gathers
+    # parameters, so a rank with one window fewer would leave the others waiting. A rank out
+    # of windows scores a stand-in and leaves it out of the sums.
+    calls = math.ceil(math.ceil(len(chosen) / topo.world_size) / mbs)
+    # (sum of per-token losses, tokens), on the device: NCCL reduces device tensors only.
+    total = torch.zeros(2, dtype=torch.float64, device=engine.device)
+    for c in range(calls):
+        batch = mine[c * mbs:(c + 1) * mbs]
+        x, y = (torch.stack(t) for t in zip(*(windows[i] for i in batch or chosen[:1])))
+        loss = engine(x.to(engine.device), y.to(engine.device))
+        if batch:
+            total[0] += loss.detach().double() * y.numel()
+            total[1] += y.numel()
+    engine.train()
+    total = all_sum(total, engine)
+    return float(total[0] / total[1])
+
+
+@torch.no_grad()
+def generate(engine: Engine, prompt: Sequence[int], n: int, temperature: float, seq_len: int,
+             vocab_size: int) -> List[int]:
+    """n tokens after prompt (greedy when temperature is 0), seeded; padding ids never drawn."""
+    engine.eval()
+    g = torch.Generator().manual_seed(0)
+    idx = torch.tensor([list(prompt)], dtype=torch.long, device=engine.device)
+    for _ in range(n):
+        logits = engine(idx[:, -seq_len:])[0, -1, :vocab_size].float().cpu()
+        if temperature > 0:
+            probs = torch.softmax(logits / temperature, dim=-1)
+            nxt = torch.multinomial(probs, 1, generator=g)
+        else:
+            nxt = logits.argmax(-1, keepdim=True)
+        idx = torch.cat([idx, nxt.view(1, 1).to(idx.device)], dim=1)
+    engine.train()
+    return idx[0].tolist()

@@ -1,0 +1,140 @@
+"""Everything a run needs before its first step: threads, data, model, engine, loader, resume.
+
+Split out of loop.py so the loop reads top to bottom; every function here runs on every rank.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+import hybrid_ray
+from hybrid_ray.data import ResumableLoader, TokenDataset, ensure_prepared, load_tokenizer, open_split
+from hybrid_ray.data.tokenizer import Tokenizer
+from hybrid_ray.engine.engine import Engine
+from hybrid_ray.engine.topology import Topology
+from hybrid_ray.lm.job import DataSection, Job
+from hybrid_ray.models import GPT, GPTConfig
+
+
+@dataclass(frozen=True)
+class RunContext:
+    """What a launcher hands the training function: torchrun's launcher now, a Ray worker later.
+
+    topology: the process group this run uses; None joins (or creates) the default group from
+      RANK/WORLD_SIZE, as under torchrun. A Ray worker passes the one it already initialised.
+    resume: continue from the newest checkpoint in train.out_dir (none there: start afresh).
+    report: called on rank 0 with every metrics record (train and val losses), e.g. to send them
+      to a driver or MLflow; records also go to train.out_dir/metrics.jsonl.
+    threads: torch threads for this process; None splits the cores over LOCAL_WORLD_SIZE ranks.
+    """
+
+    topology: Optional[Topology] = None
+    resume: bool = False
+    report: Optional[Callable[[dict], None]] = None
+    threads: Optional[int] = None
+
+
+class RunLog:
+    """Rank 0 prints and records; other ranks stay quiet (torchrun would interleave them)."""
+
+    def __init__(self, rank: int, out_dir: Optional[str], report: Optional[Callable[[dict], None]]):
+        self.rank, self.report = rank, report
+        local = out_dir is not None and "://" not in out_dir
+        self.metrics_path = os.path.join(out_dir, "metrics.jsonl") if local else None
+        if self.metrics_path and rank == 0:
+            os.makedirs(out_dir, exist_ok=True)
+
+    def say(self, msg: str) -> None:
+        if self.rank == 0:
+            print(msg, flush=True)  # torchrun pipes stdout: flush so the log flows
+
+    def record(self, **metrics: Any) -> None:
+        if self.rank != 0:
+            return
+        if self.metrics_path:
+            with open(self.metrics_path, "a") as f:
+                f.write(json.dumps(metrics) + "\n")
+        if self.report is not None:
+            self.report(metrics)
+
+
+def set_threads(threads: Optional[int]) -> int:
+    """Split the cores between the processes of this machine: oversubscribed ranks crawl."""
+    if threads is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        threads = max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    torch.set_num_threads(threads)
+    return threads
+
+
+def prepare_data(data: DataSection, topo: Topology, log: RunLog) -> dict:
+    """The dataset's meta; rank 0 builds the dataset first when it is missing.
+
+    Rank 0 alone writes (a shared folder or bucket would otherwise get N writers); the others
+    wait for its meta, or for its error, so a failure ends every rank with the same message.
+    """
+    meta, error = None, None
+    if topo.rank == 0:
+        try:
+            meta = ensure_prepared(data.corpus, data.path, data.prepare, log.say)
+        except (OSError, ValueError) as exc:
+            error = f"{type(exc).__name__}: {exc}"
+    if topo.world_size > 1:
+        box = [(meta, error)]
+        dist.broadcast_object_list(box, src=0, group=topo.group)
+        meta, error = box[0]
+    if error is not None:
+        raise RuntimeError(f"data preparation failed on rank 0: {error}")
+    return meta
+
+
+@dataclass
+class Run:
+    """The built pieces of one run."""
+
+    engine: Engine
+    loader: ResumableLoader
+    val: TokenDataset
+    tokenizer: Tokenizer
+    meta: dict
+
+
+def build(job: Job, topo: Topology, meta: dict) -> Run:
+    """Model, engine and this rank's loader; every rank builds the same initial weights."""
+    m, d = job.model, job.data
+    tok = load_tokenizer(d.path, meta)
+    vocab = -(-tok.vocab_size // m.vocab_multiple) * m.vocab_multiple
+    torch.manual_seed(job.engine.seed or 0)
+    model = GPT(GPTConfig(n_layer=m.n_layer, n_head=m.n_head, d_model=m.d_model,
+                          vocab_size=vocab, seq_len=m.seq_len, dropout=m.dropout))
+    train = open_split(d.path, meta, "train", m.seq_len, d.cache_dir)
+    engine, _, loader, _ = hybrid_ray.initialize(model, config=job.engine, training_data=train,
+                                                 topology=topo)
+    val = open_split(d.path, meta, "val", m.seq_len, d.cache_dir)
+    return Run(engine, loader, val, tok, meta)
+
+
+def checkpoint_dir(job: Job) -> Optional[str]:
+    out = job.train.out_dir
+    return None if out is None else out.rstrip("/") + "/checkpoints"
+
+
+def resume(run: Run, job: Job, ctx: RunContext, log: RunLog) -> None:
+    """Load the newest checkpoint (weights, optimizer, schedule, data position) when asked."""
+    if not ctx.resume:
+        return
+    ckpt = checkpoint_dir(job)
+    if ckpt is None:
+        raise ValueError("--resume: train.out_dir is null, so there are no checkpoints to resume from")
+    path, _ = run.engine.load_checkpoint(ckpt)
+    if path is None:
+        log.say(f"resume: no checkpoint in {ckpt}; starting from step 0")
+        return
+    pos = run.loader.state_dict()
+    log.say(f"resume: {path} at step {run.engine.global_steps}; data epoch {pos['epoch']}, "
+            f"sample {pos['position']} of {run.loader.sampler.samples_per_epoch}")
