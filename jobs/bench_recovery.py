@@ -1,0 +1,183 @@
+"""Failure recovery: hybrid_ray's ElasticTrainer against Ray Train's TorchTrainer, one invocation.
+
+    python jobs/bench_recovery.py            # 2 CPU workers, the 'small' GPT, rank 1 exits at step 13
+
+Both run the same training function (the 'small' GPT from hybrid_ray.models with our engine at
+ZeRO-2, fp32, a fixed global batch, a checkpoint every 5 steps) on a local Ray with two CPU
+workers, and in both rank 1's process exits (os._exit) once, at step 13. Ray Train gets
+FailureConfig(max_failures=1) and checkpoints through ray.train.report; ours writes them with
+engine.save_checkpoint under the run's storage and is told min_workers=max_workers=2. Every
+worker logs timestamped records (start, each finished step, the resume step, the fault) to one
+file; from them:
+
+  detection: fault -> the driver reports the loss (ours: its event; Ray Train has no such
+             event: we report when its new workers start the training function, which includes
+             detection and the restart of every worker)
+  recovery:  fault -> the first step finished after it
+  lost:      steps finished before the fault that had to be computed again
+  total:     wall time of the whole run (30 steps)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from typing import Dict, List
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+STEPS, EVERY, FAULT_STEP, BATCH = 30, 5, 13, 8
+
+
+def _log(path: str, **rec) -> None:
+    rec["t"] = time.time()
+    with open(path, "a") as f:
+        f.write(json.dumps(rec) + "\n")
+
+
+def _engine(topology):
+    import torch
+    import hybrid_ray
+    from hybrid_ray.models import GPT, GPT_SIZES
+    torch.manual_seed(0)
+    world = topology.world_size
+    cfg = {"train_batch_size": BATCH, "train_micro_batch_size_per_gpu": BATCH // world,
+           "zero_optimization": {"stage": 2}, "gradient_clipping": 1.0,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    return hybrid_ray.initialize(GPT(GPT_SIZES["small"]), config=cfg, topology=topology)[0]
+
+
+def _batch(step: int, rank: int, world: int):
+    import torch
+    from hybrid_ray.models import GPT_SIZES
+    c = GPT_SIZES["small"]
+    g = torch.Generator().manual_seed(step)
+    x = torch.randint(0, c.vocab_size, (BATCH, c.seq_len + 1), generator=g)
+    per = BATCH // world
+    x = x[rank * per:(rank + 1) * per]
+    return x[:, :-1], x[:, 1:]
+
+
+def _steps(engine, rank, world, events, fault_marker, save):
+    """The shared loop: steps to STEPS, a checkpoint every EVERY steps, one fault."""
+    while engine.global_steps < STEPS:
+        step = engine.global_steps
+        if rank == 1 and step == FAULT_STEP and not os.path.exists(fault_marker):
+            open(fault_marker, "w").close()
+            _log(events, kind="fault", step=step, rank=rank)
+            os._exit(1)
+        x, y = _batch(step, rank, world)
+        engine.backward(engine(x, y))
+        engine.step()
+        _log(events, kind="step", step=engine.global_steps, rank=rank)
+        if engine.global_steps % EVERY == 0:
+            save(engine)
+
+
+# ---- ours ----------------------------------------------------------------------------
+def ours_fn(ctx, events: str, marker: str):
+    engine = _engine(ctx.topology)
+    ckpt = os.path.join(ctx.storage_path, ctx.run_name, "checkpoints")
+    engine.load_checkpoint(ckpt)
+    _log(events, kind="start", step=engine.global_steps, rank=ctx.rank)
+
+    def save(e):
+        e.save_checkpoint(ckpt)
+        ctx.step_done(e.global_steps)
+    _steps(engine, ctx.rank, ctx.world_size, events, marker, save)
+    engine.close()
+
+
+def run_ours(work: str) -> Dict[str, float]:
+    from hybrid_ray.cluster import ElasticTrainer, FailureConfig, ScalingConfig
+    events, marker = os.path.join(work, "ours.jsonl"), os.path.join(work, "ours.fault")
+    seen: List[tuple] = []
+    trainer = ElasticTrainer(lambda ctx: ours_fn(ctx, events, marker),
+                             ScalingConfig(min_workers=2, max_workers=2),
+                             FailureConfig(max_failures=1, collective_timeout_s=30.0),
+                             storage_path=os.path.join(work, "ours"), run_name="bench",
+                             on_event=lambda msg: seen.append((time.time(), msg)))
+    t0 = time.time()
+    trainer.fit()
+    total = time.time() - t0
+    detected = next(t for t, msg in seen if "lost" in msg or "failed" in msg)
+    return _measure(events, total, detected)
+
+
+# ---- Ray Train -----------------------------------------------------------------------------
+def ray_train_fn(config: dict):
+    import ray.train
+    from hybrid_ray.engine.topology import Topology
+    events, marker = config["events"], config["marker"]
+    topo = Topology.from_environment()
+    engine = _engine(topo)
+    ckpt = ray.train.get_checkpoint()
+    if ckpt is not None:
+        with ckpt.as_directory() as d:
+            engine.load_checkpoint(d)
+    _log(events, kind="start", step=engine.global_steps, rank=topo.rank)
+
+    def save(e):
+        # Every rank writes its part into one directory (this machine's disk is shared by the
+        # workers); rank 0 hands it to Ray Train, which copies it into the run's storage.
+        d = os.path.join(config["scratch"], f"step{e.global_steps}")
+        e.save_checkpoint(d)
+        ckpt = ray.train.Checkpoint.from_directory(d) if topo.rank == 0 else None
+        ray.train.report({"step": e.global_steps}, checkpoint=ckpt)
+    _steps(engine, topo.rank, topo.world_size, events, marker, save)
+    engine.close()
+
+
+def run_ray_train(work: str) -> Dict[str, float]:
+    import ray.train
+    from ray.train.torch import TorchConfig, TorchTrainer
+    events, marker = os.path.join(work, "raytrain.jsonl"), os.path.join(work, "raytrain.fault")
+    trainer = TorchTrainer(ray_train_fn, train_loop_config={"events": events, "marker": marker,
+                                                             "scratch": os.path.join(work, "rt_scratch")},
+                           torch_config=TorchConfig(backend="gloo"),
+                           scaling_config=ray.train.ScalingConfig(num_workers=2, use_gpu=False),
+                           run_config=ray.train.RunConfig(
+                               name="bench", storage_path=os.path.join(work, "raytrain"),
+                               failure_config=ray.train.FailureConfig(max_failures=1)))
+    t0 = time.time()
+    trainer.fit()
+    total = time.time() - t0
+    return _measure(events, total, None)
+
+
+# ---- the figures -----------------------------------------------------------------------------
+def _measure(events: str, total: float, detected) -> Dict[str, float]:
+    recs = [json.loads(line) for line in open(events)]
+    fault = next(r for r in recs if r["kind"] == "fault")
+    before = max(r["step"] for r in recs if r["kind"] == "step" and r["t"] < fault["t"])
+    restart = min(r["t"] for r in recs if r["kind"] == "start" and r["t"] > fault["t"])
+    resumed = next(r["step"] for r in recs if r["kind"] == "start" and r["t"] > fault["t"])
+    first = min(r["t"] for r in recs if r["kind"] == "step" and r["t"] > fault["t"])
+    return {"detection_s": round((detected or restart) - fault["t"], 2),
+            "restart_s": round(restart - fault["t"], 2),
+            "recovery_s": round(first - fault["t"], 2),
+            "steps_lost": before - resumed, "total_s": round(total, 1)}
+
+
+def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    import ray
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}})
+    work = tempfile.mkdtemp(prefix="hybrid_ray_recovery_")
+    rows = {"hybrid_ray ElasticTrainer": run_ours(work), "Ray Train TorchTrainer": run_ray_train(work)}
+    ray.shutdown()
+    print(f"\n{'':<28}{'detection s':>12}{'restart s':>11}{'recovery s':>12}{'steps lost':>12}{'total s':>9}")
+    for name, r in rows.items():
+        print(f"{name:<28}{r['detection_s']:>12}{r['restart_s']:>11}{r['recovery_s']:>12}"
+              f"{r['steps_lost']:>12}{r['total_s']:>9}")
+    print(f"(2 CPU workers, 'small' GPT, checkpoint every {EVERY} steps, rank 1 exits at step {FAULT_STEP}; "
+          f"Ray Train's 'detection' is when its new workers start)")
+
+
+if __name__ == "__main__":
+    main()

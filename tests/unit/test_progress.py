@@ -1,0 +1,31 @@
+"""The driver's progress reporter: plain lines when stdout is a log, a bar in a terminal."""
+from __future__ import annotations
+
+import io
+
+from rich.console import Console
+
+from hybrid_ray.cluster.progress import ProgressReporter
+
+
+def test_plain_lines_in_a_log_every_n_steps_with_events() -> None:
+    out = io.StringIO()
+    p = ProgressReporter(total_steps=20, console=Console(file=out, force_terminal=False, width=200),
+                         log_every=10)
+    for step in range(1, 21):
+        p.record({"step": step, "loss": 1.0 / step, "tokens_per_s": 1234.5, "world_size": 2})
+    p.event("worker 1 lost; re-forming at 1 worker(s)")
+    p.close()
+    lines = out.getvalue().splitlines()
+    assert lines[0].startswith("step 10/20 | loss 0.1000 | tok/s 1,234 | workers 2")
+    assert lines[1].startswith("step 20/20 | loss 0.0500")
+    assert lines[2] == "event: worker 1 lost; re-forming at 1 worker(s)"
+
+
+def test_terminal_bar_shows_step_and_fields() -> None:
+    out = io.StringIO()
+    p = ProgressReporter(total_steps=5, console=Console(file=out, force_terminal=True, width=160))
+    p.record({"step": 3, "loss": 2.5, "loss_scale": 65536.0, "world_size": 3})
+    p.close()
+    text = out.getvalue()
+    assert "3/5" in text and "loss 2.5000" in text and "scale 65536" in text and "workers 3" in text
