@@ -1,6 +1,6 @@
 """Training functions the cluster tests run on Ray workers (pickled by value, see conftest).
 
-A small MLP trained by the engine in fp32 at ZeRO-2 with a fixed global batch of 8 samples
+A small MLP trained by the engine in fp32 at ZeRO-2 with a fixed global batch of 12 samples
 drawn from the step number alone, so every world size sees the same data per step and a run
 resumed from a checkpoint replays exactly what an uninterrupted run does.
 """
@@ -15,7 +15,7 @@ import torch.nn as nn
 import hybrid_ray
 from hybrid_ray.cluster import StopTraining, WorkerContext
 
-GLOBAL_BATCH, DIM = 8, 16
+GLOBAL_BATCH, DIM = 12, 16  # 12 splits evenly over 1, 2, 3 and 4 workers
 
 
 def _model() -> nn.Module:
