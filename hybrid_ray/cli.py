@@ -1,7 +1,9 @@
 """`hybrid-ray`: check configs and start the local training job from the shell.
 
     hybrid-ray config check PATH         # "ok: ..." or the one-line config error (exit 2)
-    hybrid-ray train CONFIG [--nproc N]  # jobs/train_local.py's run with that job file
+    hybrid-ray train CONFIG [--nproc N]  # the LM job under torchrun on this machine
+    hybrid-ray train CONFIG --workers N | --min-workers A --max-workers B [--address ADDR]
+                                         # the LM job on Ray, elastic, with a live progress bar
     hybrid-ray checkpoint inspect PATH   # step, world size, stage, files, checksums
     hybrid-ray checkpoint export PATH OUT [--dtype fp32|bf16]   # model state_dict, offline
 
@@ -31,11 +33,15 @@ def _parser() -> argparse.ArgumentParser:
     check = config_sub.add_parser("check", help="validate an engine config or a job file")
     check.add_argument("path", help="JSON file: engine config, or job file with an 'engine' section")
     check.set_defaults(func=_config_check)
-    train = sub.add_parser("train", help="train the byte-level GPT on this machine (torchrun)")
+    train = sub.add_parser("train", help="train the GPT LM job: torchrun here, or elastic on Ray (--workers/--min-workers)")
     train.add_argument("config", help="job file, e.g. jobs/configs/small_cpu.json")
-    from hybrid_ray.lm.launch import add_nproc  # deferred: keeps `config check` light
+    from hybrid_ray.lm.launch import add_nproc, add_ray  # deferred: keeps `config check` light
 
     add_nproc(train)
+    train.add_argument("--resume", action="store_true", help="torchrun: continue from the newest checkpoint")
+    train.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE", dest="overrides",
+                       help="override a job file value (repeatable)")
+    add_ray(train)
     train.set_defaults(func=_train)
     checkpoint_cli.add_commands(sub)
     return p
@@ -67,9 +73,12 @@ def _config_check(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from hybrid_ray.lm.launch import run
+    from hybrid_ray.lm.launch import ray_sizes, run, run_on_ray
 
-    return run(args.config, args.nproc)
+    sizes = ray_sizes(args)
+    if sizes is not None:
+        return run_on_ray(args, *sizes)
+    return run(args.config, args.nproc, args.resume, args.overrides)
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -218,6 +218,7 @@ class Controller:
                 continue
             self._last_step = max(self._last_step, n["step"])
             for rec in n["records"]:
+                rec.setdefault("world_size", len(self.group.members))
                 self.result.records.append(rec)
                 if self._on_record:
                     self._on_record(rec)

@@ -16,6 +16,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 def _fmt(rec: dict) -> str:
     parts = []
+    rec = dict(rec, loss=rec.get("loss", rec.get("train_loss")))
     for key, label, spec in (("loss", "loss", ".4f"), ("val_loss", "val", ".4f"),
                              ("tokens_per_s", "tok/s", ",.0f"), ("loss_scale", "scale", "g"),
                              ("world_size", "workers", "d")):

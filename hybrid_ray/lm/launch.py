@@ -21,6 +21,7 @@ from typing import List, Optional, Sequence
 import torch.distributed as dist
 
 from hybrid_ray.config import ConfigError
+from hybrid_ray.config.api import read_json
 from hybrid_ray.lm.job import Job, for_world, load_job
 
 EXIT_FAILED, EXIT_CONFIG = 1, 2
@@ -39,7 +40,32 @@ def parser(prog: str = "train_lm.py") -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE", dest="overrides",
                    help="override a job file value, e.g. --set engine.bf16.enabled=false "
                         "--set train.out_dir=runs/fp32 (VALUE is JSON, else a string); repeatable")
+    add_ray(p)
     return p
+
+
+def add_ray(p: argparse.ArgumentParser) -> None:
+    """Flags that run the job on Ray (any of them, or RAY_ADDRESS set, selects Ray)."""
+    g = p.add_argument_group("on a Ray cluster (elastic)")
+    g.add_argument("--workers", type=int, default=None, help="fixed group size (min = max = N)")
+    g.add_argument("--min-workers", type=int, default=None, help="smallest group the run goes on with")
+    g.add_argument("--max-workers", type=int, default=None, help="largest group it grows to")
+    g.add_argument("--address", default=None, help="Ray cluster address (default RAY_ADDRESS, else "
+                   "a local ray.init())")
+    g.add_argument("--run-name", default=None, help="name of the run folder under train.out_dir's "
+                   "parent; a resubmitted job with the same name resumes")
+    g.add_argument("--max-failures", type=int, default=3, help="failures the run recovers from")
+
+
+def ray_sizes(args: argparse.Namespace) -> Optional[tuple]:
+    """(min, max) workers when the command asks for Ray, else None (torchrun)."""
+    if args.workers is not None:
+        return args.workers, args.workers
+    if args.min_workers is None and args.max_workers is None and not args.address \
+            and not os.environ.get("RAY_ADDRESS"):
+        return None
+    lo = args.min_workers or 1
+    return lo, args.max_workers or max(lo, args.nproc)
 
 
 def add_nproc(p: argparse.ArgumentParser) -> None:
@@ -55,7 +81,25 @@ def launched() -> bool:
 def main(argv: Optional[List[str]] = None, prog: str = "train_lm.py") -> int:
     """Entry point of jobs/train_lm.py and `hybrid-ray train`; returns the exit code."""
     args = parser(prog).parse_args(argv)
+    sizes = None if launched() else ray_sizes(args)
+    if sizes is not None:
+        return run_on_ray(args, *sizes)
     return run(args.config, args.nproc, args.resume, args.overrides)
+
+
+def run_on_ray(args: argparse.Namespace, min_workers: int, max_workers: int) -> int:
+    """The elastic run: a driver here, the ranks on Ray workers (always resuming: elastic runs
+    continue from their newest checkpoint after every membership change)."""
+    from hybrid_ray.cluster.lm import run_elastic
+    from hybrid_ray.lm.job import apply_overrides
+
+    try:
+        raw = apply_overrides(read_json(Path(args.config)), args.overrides)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    return run_elastic(raw, min_workers, max_workers, address=args.address,
+                       run_name=args.run_name, max_failures=args.max_failures)
 
 
 def run(config: str, nproc: int, resume: bool = False, overrides: Sequence[str] = ()) -> int:

@@ -40,6 +40,7 @@ class RunResult:
     train_seconds: float
     tokens_per_s: float
     sample: str  # the generated text
+    stopped: bool = False  # ended early at a checkpoint because RunContext.stop said so
 
 
 def train(job: Job, ctx: Optional[RunContext] = None) -> RunResult:
@@ -55,7 +56,10 @@ def train(job: Job, ctx: Optional[RunContext] = None) -> RunResult:
     run = build(job, topo, meta)
     resume(run, job, ctx, log)
     _header(job, run, threads, log)
-    train_loss, seconds, tok_s = train_steps(job, run, log)
+    train_loss, seconds, tok_s, stopped = train_steps(job, run, log, ctx)
+    if stopped:  # the checkpoint just written holds everything; the driver re-forms the group
+        return RunResult(run.engine.global_steps, train_loss, float("nan"), float("nan"),
+                         seconds, tok_s, "", stopped=True)
     val_loss = evaluate(run.engine, run.val, None)
     baseline = split_entropy(run.val, run.tokenizer.vocab_size)
     val_meta = meta["splits"]["val"]
@@ -84,12 +88,14 @@ def batches(run: Run) -> Iterator[Batch]:
         yield from run.loader
 
 
-def train_steps(job: Job, run: Run, log: RunLog) -> Tuple[float, float, float]:
+def train_steps(job: Job, run: Run, log: RunLog,
+                ctx: Optional[RunContext] = None) -> Tuple[float, float, float, bool]:
     """The optimizer steps from the engine's current step, with logging, evaluation, checkpoints.
 
-    Returns (train loss over the last logging interval, wall seconds, training tokens/s); the
-    tokens/s leave evaluation and checkpoint time out.
+    Returns (train loss over the last logging interval, wall seconds, training tokens/s, whether
+    ctx.stop ended the run at a checkpoint); the tokens/s leave evaluation and checkpoint time out.
     """
+    ctx = ctx or RunContext()
     engine, steps, every = run.engine, job.train.steps, run.engine.config.steps_per_print
     tokens_per_step = engine.train_batch_size() * job.model.seq_len
     data = batches(run)
@@ -115,17 +121,24 @@ def train_steps(job: Job, run: Run, log: RunLog) -> Tuple[float, float, float]:
                       (step - logged) * tokens_per_step / (now - t_log))
             loss_sum.zero_()
             t_log, logged = now, step
+        if ctx.on_step is not None:
+            ctx.on_step(step)
         t0 = time.perf_counter()
-        _between_steps(job, run, log, step)
+        saved = _between_steps(job, run, log, step)
         paused += time.perf_counter() - t0
         t_log += time.perf_counter() - t0
+        if saved and step != steps and ctx.stop is not None and ctx.stop():
+            log.say(f"stopping at step {step} (checkpoint written) as the driver asked")
+            steps = step
+            break
     seconds = time.perf_counter() - start
     trained = (steps - first) * tokens_per_step
-    return last_loss, seconds, trained / max(seconds - paused, 1e-9)
+    return last_loss, seconds, trained / max(seconds - paused, 1e-9), steps != job.train.steps
 
 
-def _between_steps(job: Job, run: Run, log: RunLog, step: int) -> None:
-    """Periodic evaluation, and checkpoints (every save_interval steps and after the last)."""
+def _between_steps(job: Job, run: Run, log: RunLog, step: int) -> bool:
+    """Periodic evaluation, and checkpoints (every save_interval steps and after the last).
+    Returns whether a checkpoint was written."""
     t = job.train
     if step % t.eval_interval == 0 and step != t.steps:
         val_loss = evaluate(run.engine, run.val, t.eval_samples)
@@ -133,8 +146,9 @@ def _between_steps(job: Job, run: Run, log: RunLog, step: int) -> None:
         log.say(f"eval  step {step}: val loss {val_loss:.4f} ({t.eval_samples or 'all'} windows)")
     ckpt = checkpoint_dir(job)
     if ckpt is not None and (step == t.steps or (t.save_interval and step % t.save_interval == 0)):
-        path = run.engine.save_checkpoint(ckpt)
-        log.say(f"checkpoint: {path}")
+        run.engine.save_checkpoint(ckpt)  # the engine logs where it went
+        return True
+    return False
 
 
 def _log_step(run: Run, log: RunLog, step: int, total: int, loss: float, tok_s: float) -> None:

@@ -31,12 +31,18 @@ class RunContext:
     report: called on rank 0 with every metrics record (train and val losses), e.g. to send them
       to a driver or MLflow; records also go to train.out_dir/metrics.jsonl.
     threads: torch threads for this process; None splits the cores over LOCAL_WORLD_SIZE ranks.
+    on_step: called on every rank after each optimizer step with its number (a Ray worker's
+      heartbeat to the driver).
+    stop: called on every rank after each checkpoint (a collective: every rank must get the same
+      answer); True ends the run there, e.g. for the driver to re-form a larger group.
     """
 
     topology: Optional[Topology] = None
     resume: bool = False
     report: Optional[Callable[[dict], None]] = None
     threads: Optional[int] = None
+    on_step: Optional[Callable[[int], None]] = None
+    stop: Optional[Callable[[], bool]] = None
 
 
 class RunLog:

@@ -1,0 +1,115 @@
+"""The LM job on Ray: the driver validates the job file and prepares the data, then every
+worker of every generation runs `hybrid_ray.lm.loop.train` on the group it joined.
+
+Checkpoints and metrics live in train.out_dir, which is `storage_path/run_name` for the
+elastic trainer: a resubmitted job with the same out_dir (run name) resumes from its newest
+checkpoint. Paths are made absolute on the driver: workers do not share its working directory.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import posixpath
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Mapping, Optional
+
+from hybrid_ray.lm.job import Job, for_world, load_job
+
+from .context import WorkerContext
+from .worker import StopTraining
+
+
+def _is_uri(path: str) -> bool:
+    return "://" in path
+
+
+def driver_job(raw: Mapping[str, Any], min_workers: int, max_workers: int) -> Job:
+    """Validate the job for every world size the group may take (before anything starts)."""
+    job = load_job(raw)
+    for world in range(min_workers, max_workers + 1):
+        for_world(job, world)
+    return job
+
+
+def absolute_paths(raw: Mapping[str, Any], run_name: Optional[str]) -> Dict[str, Any]:
+    """The raw job with local data/output paths absolute, and out_dir renamed for run_name."""
+    out = copy.deepcopy(dict(raw))
+    data, train = dict(out.get("data", {})), dict(out.get("train", {}))
+    if isinstance(data.get("path"), str) and not _is_uri(data["path"]):
+        data["path"] = os.path.abspath(data["path"])
+    out_dir = (train.get("out_dir") or "runs/lm").rstrip("/")
+    if run_name:  # same parent folder, the run's own name
+        out_dir = posixpath.join(posixpath.dirname(out_dir), run_name)
+    train["out_dir"] = out_dir if _is_uri(out_dir) else os.path.abspath(out_dir)
+    out["data"], out["train"] = data, train
+    return out
+
+
+@dataclass(frozen=True)
+class LMTrainFn:
+    """Picklable training function for the workers: the (validated) raw job travels with it."""
+
+    raw: Dict[str, Any]
+
+    def __call__(self, ctx: WorkerContext):
+        from hybrid_ray.lm.loop import train  # heavy imports on the worker, not the driver
+        from hybrid_ray.lm.setup import RunContext
+
+        result = train(load_job(self.raw), RunContext(topology=ctx.topology, resume=True,
+                                                      report=ctx.report, on_step=ctx.step_done,
+                                                      stop=ctx.agree_to_stop))
+        if result.stopped:
+            raise StopTraining()
+        return result
+
+
+def run_elastic(raw: Mapping[str, Any], min_workers: int, max_workers: int,
+                address: Optional[str] = None, run_name: Optional[str] = None,
+                max_failures: int = 3, use_gpu: Optional[bool] = None) -> int:
+    """Driver of the LM job on Ray; returns the exit code (0 ok, 1 failed, 2 bad input)."""
+    from hybrid_ray.config import ConfigError
+    from hybrid_ray.data import ensure_prepared
+
+    from .config import ClusterConfigError, FailureConfig, ScalingConfig
+    from .controller import TrainingFailedError
+    from .progress import ProgressReporter
+    from .trainer import ElasticTrainer, _connect
+
+    try:
+        scaling = ScalingConfig(min_workers=min_workers, max_workers=max_workers,
+                                use_gpu=bool(use_gpu))
+        failure = FailureConfig(max_failures=max_failures)
+        raw = absolute_paths(raw, run_name)
+        job = driver_job(raw, min_workers, max_workers)
+        ensure_prepared(job.data.corpus, job.data.path, job.data.prepare)
+    except (ConfigError, ClusterConfigError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except (OSError, ValueError) as exc:
+        print(f"error: data: {exc}", file=sys.stderr)
+        return 2
+    _connect(address)
+    if use_gpu is None:  # the cluster decides: GPU workers where it has GPUs
+        import ray
+        scaling = ScalingConfig(min_workers=min_workers, max_workers=max_workers,
+                                use_gpu=ray.cluster_resources().get("GPU", 0) >= 1)
+    storage, name = posixpath.split(job.train.out_dir)
+    progress = ProgressReporter(total_steps=job.train.steps)
+    print(f"run {name}: {min_workers}-{max_workers} {'GPU' if scaling.use_gpu else 'CPU'} worker(s), "
+          f"checkpoints and metrics in {job.train.out_dir}", flush=True)
+    trainer = ElasticTrainer(LMTrainFn(raw), scaling, failure, storage_path=storage, run_name=name,
+                             address=address, on_record=progress.record, on_event=progress.event)
+    try:
+        result = trainer.fit()
+    except TrainingFailedError as exc:
+        progress.close()
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    progress.close()
+    r = result.value
+    print(f"done: {r.steps} steps, val loss {r.val_loss:.4f} nats/token against a unigram baseline "
+          f"of {r.unigram_nats:.4f}; {result.failures} failure(s), world sizes {result.world_sizes}")
+    if r.sample:
+        print(f"sample:\n{r.sample}")
+    return 0

@@ -1,0 +1,84 @@
+"""The LM job on a real local Ray: a lost worker is replaced and the run ends exactly where an
+uninterrupted one does (data position and RNG included); `jobs/train_lm.py --workers 2` starts
+its own local Ray and shows progress."""
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from hybrid_ray.cluster import ElasticTrainer, FailureConfig, ScalingConfig
+from hybrid_ray.cluster.lm import LMTrainFn, absolute_paths
+from tests.unit.test_lm_job import TINY
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def job(data: Path, out: Path, steps: int = 16) -> dict:
+    raw = copy.deepcopy(TINY)
+    raw["engine"]["bf16"] = {"enabled": False}  # fp32: bitwise comparisons across runs
+    raw["data"]["path"] = str(data)
+    raw["train"].update(steps=steps, eval_interval=8, save_interval=4, out_dir=str(out), sample_tokens=8)
+    return absolute_paths(raw, None)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    from hybrid_ray.data import ensure_prepared
+    from hybrid_ray.lm.job import load_job
+    path = tmp_path_factory.mktemp("lm_data") / "bytes"
+    j = load_job(job(path, tmp_path_factory.mktemp("unused")))
+    ensure_prepared(j.data.corpus, j.data.path, j.data.prepare)
+    return path
+
+
+def fit(raw: dict, kill_at: int = None):
+    out = raw["train"]["out_dir"]
+    trainer = ElasticTrainer(LMTrainFn(raw), ScalingConfig(min_workers=1, max_workers=2),
+                             FailureConfig(max_failures=2, collective_timeout_s=10.0),
+                             storage_path=os.path.dirname(out), run_name=os.path.basename(out))
+    if kill_at is None:
+        return trainer.fit()
+    box = {}
+    t = threading.Thread(target=lambda: box.setdefault("r", trainer.fit()))
+    t.start()
+    import ray
+    deadline = time.monotonic() + 200
+    while trainer.controller is None or trainer.controller._last_step < kill_at:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    ray.kill(trainer.controller.group.members[1].handle, no_restart=True)
+    t.join(400)
+    return box["r"]
+
+
+def test_lost_worker_is_replaced_and_the_lm_run_ends_as_an_uninterrupted_one(ray_session, data, tmp_path):
+    plain = fit(job(data, tmp_path / "plain"))
+    killed = fit(job(data, tmp_path / "killed"), kill_at=6)
+    assert plain.world_sizes == [2] and killed.world_sizes == [2, 2], killed.events
+    assert killed.failures == 1
+    assert killed.value.steps == plain.value.steps == 16
+    assert killed.value.val_loss == plain.value.val_loss  # bitwise: same data, RNG and math
+    steps = [r["step"] for r in killed.records if "train_loss" in r]
+    assert steps[-1] == 16
+
+
+def test_train_lm_script_starts_a_local_ray_and_reports_progress(data, tmp_path):
+    cfg = tmp_path / "tiny.json"
+    import json
+    cfg.write_text(json.dumps(job(data, tmp_path / "run", steps=8)))
+    env = dict(os.environ, RAY_AUTH_MODE="disabled", PYTHONUNBUFFERED="1")
+    proc = subprocess.run([sys.executable, str(ROOT / "jobs" / "train_lm.py"), "--config", str(cfg),
+                           "--workers", "2"], capture_output=True, text=True, env=env, timeout=400,
+                          cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "run run: 2-2 CPU worker(s)" in proc.stdout
+    assert "step 8/8" in proc.stdout and "workers 2" in proc.stdout
+    assert "done: 8 steps" in proc.stdout
