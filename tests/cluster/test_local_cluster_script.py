@@ -188,3 +188,25 @@ def test_token_mode_needs_the_token(local_cluster):
                             env=env, capture_output=True, text=True, timeout=60)
     assert listed.returncode == 0, listed.stderr[-2000:]
     check_stops_cleanly(c)
+
+
+def test_ray_job_submit_runs_the_lm_job_to_completion(local_cluster, tmp_path):
+    """The issue's way to run: `ray job submit --working-dir . -- python jobs/train_lm.py ...`
+    against a `ray start --head` cluster; the job's log shows progress and the end."""
+    from tests.cluster.test_lm_on_ray import job
+    c = local_cluster
+    c.env["HR_NUM_CPUS"] = "3"  # two 1-CPU workers (the job's driver takes none)
+    start = c.run("start")
+    assert start.returncode == 0, f"stdout:\n{start.stdout}\nstderr:\n{start.stderr}"
+    cfg = tmp_path / "tiny.json"
+    cfg.write_text(json.dumps(job(tmp_path / "data", tmp_path / "run", steps=8)))
+    ray = shutil.which("ray", path=str(Path(sys.executable).parent)) or "ray"
+    env = {**c.env, "RAY_AUTH_MODE": "disabled"}
+    proc = subprocess.run([ray, "job", "submit", "--address", f"http://{HOST}:{c.dashboard}",
+                           "--working-dir", str(REPO), "--", sys.executable, "jobs/train_lm.py",
+                           "--config", str(cfg), "--min-workers", "1", "--max-workers", "2"],
+                          env=env, capture_output=True, text=True, timeout=400, cwd=REPO)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert "step 8/8" in out and "workers 2" in out, out[-4000:]
+    assert "done: 8 steps" in out and "succeeded" in out, out[-4000:]
