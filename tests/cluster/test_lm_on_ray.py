@@ -82,3 +82,29 @@ def test_train_lm_script_starts_a_local_ray_and_reports_progress(data, tmp_path)
     assert "run run: 2-2 CPU worker(s)" in proc.stdout
     assert "step 8/8" in proc.stdout and "workers 2" in proc.stdout
     assert "done: 8 steps" in proc.stdout
+
+
+def test_resubmitted_job_resumes_after_the_driver_is_lost(data, tmp_path):
+    """The driver (and the local Ray it started) killed mid-run; the same command again resumes
+    from the newest committed checkpoint instead of starting over."""
+    import json
+    import signal
+    cfg = tmp_path / "tiny.json"
+    raw = job(data, tmp_path / "run", steps=24)
+    raw["train"]["save_interval"] = 2
+    cfg.write_text(json.dumps(raw))
+    cmd = [sys.executable, str(ROOT / "jobs" / "train_lm.py"), "--config", str(cfg), "--workers", "2"]
+    env = dict(os.environ, RAY_AUTH_MODE="disabled", PYTHONUNBUFFERED="1")
+    first = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             env=env, cwd=tmp_path, start_new_session=True)
+    latest = tmp_path / "run" / "checkpoints" / "latest"
+    deadline = time.monotonic() + 300
+    while not latest.exists():
+        assert first.poll() is None and time.monotonic() < deadline, first.stdout.read()[-3000:]
+        time.sleep(0.2)
+    os.killpg(first.pid, signal.SIGKILL)  # the driver and everything it started
+    first.wait()
+    second = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=400, cwd=tmp_path)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert "resume: " in second.stdout, second.stdout[-3000:]
+    assert "done: 24 steps" in second.stdout
