@@ -100,6 +100,21 @@ def test_more_failures_than_allowed_stop_with_checkpoints_intact(ray_session, tm
     assert (ckpts / "latest").exists()
 
 
+def test_failure_right_after_recovery_ends_with_a_clear_error(ray_session, tmp_path) -> None:
+    """A second loss as soon as the re-formed group resumes (step 4, its checkpoint) exhausts
+    max_failures=1: the run stops with the count, and the checkpoints stay loadable."""
+    faults = [{"generation": 0, "rank": 1, "step": 5, "kind": "exit"},
+              {"generation": 1, "rank": 0, "step": 4, "kind": "exit"}]
+    _, run = fit(tmp_path, "twice", fault=faults, max_failures=1)
+    with pytest.raises(TrainingFailedError, match=r"2 failures exceed failure.max_failures=1"):
+        run()
+    import hybrid_ray
+    engine, _, _, _ = hybrid_ray.initialize(trainfns._model(), config={
+        "train_micro_batch_size_per_gpu": 12, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}})
+    path, _ = engine.load_checkpoint(str(tmp_path / "twice" / "checkpoints"))
+    assert path is not None and engine.global_steps == 4
+
+
 # ---- helpers ----------------------------------------------------------------------------
 def _sizes(trainer) -> list:
     return trainer.controller.result.world_sizes if trainer.controller else []

@@ -64,10 +64,14 @@ def train_mlp(ctx: WorkerContext, steps: int = 12, every: int = 2, stage: int = 
     return state
 
 
-def _maybe_fault(ctx: WorkerContext, step: int, fault: dict | None) -> None:
-    if not fault or fault["generation"] != ctx.generation or fault["rank"] != ctx.rank \
-            or fault["step"] != step:
-        return
+def _maybe_fault(ctx: WorkerContext, step: int, fault) -> None:
+    """fault: one dict or a list of them."""
+    for f in fault if isinstance(fault, list) else [fault]:
+        if f and f["generation"] == ctx.generation and f["rank"] == ctx.rank and f["step"] == step:
+            _fault(f)
+
+
+def _fault(fault: dict) -> None:
     if fault["kind"] == "exit":
         os._exit(1)
     while True:  # frozen: alive, never steps again, never answers a collective
