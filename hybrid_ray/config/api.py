@@ -80,8 +80,6 @@ def _check_supported(cfg: Config) -> None:
     _refuse(ac.partition_activations, "activation_checkpointing.partition_activations",
             ac.partition_activations, "allowed: false (partitioning activations across ranks "
             "needs tensor parallelism, which is planned)")
-    _refuse(cfg.flops_profiler.enabled, "flops_profiler.enabled", cfg.flops_profiler.enabled,
-            "allowed: false (the flops profiler is planned)")
     _refuse(cfg.tensor_model_parallel_size > 1, "tensor_model_parallel_size",
             cfg.tensor_model_parallel_size, "allowed: 1 (tensor parallelism is planned)")
     _refuse(cfg.pipeline_model_parallel_size > 1, "pipeline_model_parallel_size",

@@ -166,7 +166,8 @@ class FlopsProfilerConfig:
     enabled: bool = False
     """Turn the profiler on."""
     profile_step: int = checked(1, ge=1)
-    """Optimizer step to profile."""
+    """Profile the training micro-step that starts after this many optimizer steps (the first
+    step warms up, as in DeepSpeed); its flops are counted and the next micro-step is timed."""
     module_depth: int = checked(-1, ge=-1)
     """Depth of the per-module report; -1 means all levels."""
     top_modules: int = checked(1, ge=1)
@@ -174,7 +175,7 @@ class FlopsProfilerConfig:
     detailed: bool = True
     """Print the per-module breakdown."""
     output_file: Optional[str] = None
-    """Write the report here instead of stdout."""
+    """Write the report here (rank 0) instead of printing it."""
 
 
 @dataclass(frozen=True)

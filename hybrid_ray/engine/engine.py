@@ -26,6 +26,7 @@ from .checkpointing import apply_activation_checkpointing
 from .loss_scaler import LossScaler, NoLossScaler, build_loss_scaler
 from .offload import HostOffload
 from .precision import HALF, PrecisionPolicy, autocast_region, cast_floating, dtype_of
+from .profiling import StepProfiler
 from .reducer import GradReducer
 from .schedulers import build_scheduler
 from .topology import Topology
@@ -70,6 +71,9 @@ class Engine:
         self.loss_scaler: LossScaler = build_loss_scaler(
             self.config.fp16, enabled=self._uses_fp16(), user_scaler=loss_scaler)
         self._unit_scaler = NoLossScaler()
+        # Config `flops_profiler` (one report) and Speedometer requests (a silent profile).
+        self.flops_profiler = StepProfiler(self.config.flops_profiler, self.module,
+                                           self.topology.rank, self.topology.device.type)
         self._note_no_effect_settings()
 
     # ---- construction -----------------------------------------------------------------
@@ -178,6 +182,7 @@ class Engine:
         """Run the model under the base precision; floating outputs come back as fp32."""
         if self.config.fp16.auto_cast and self.compute_dtype == torch.float16:
             args, kwargs = cast_floating(args, torch.float16), cast_floating(kwargs, torch.float16)
+        self.flops_profiler.before_forward(self.global_steps, args, kwargs)
         if self.stage3 is not None:
             self.stage3.before_forward()
         with autocast_region(self.topology.device.type, self.compute_dtype):
@@ -186,6 +191,7 @@ class Engine:
             self.stage3.after_forward()
         if self.config.precision.fp32_outputs and self.compute_dtype in HALF:
             out = cast_floating(out, torch.float32)
+        self.flops_profiler.after_forward()
         return out
 
     def _run_module(self, args: tuple, kwargs: dict) -> Any:
@@ -204,6 +210,7 @@ class Engine:
     def backward(self, loss: torch.Tensor) -> torch.Tensor:
         """Scale the loss (loss scale / accumulation steps), backprop, reduce gradients."""
         gas = self.batch.gradient_accumulation_steps
+        self.flops_profiler.before_backward()
         if self.micro_steps % gas == 0:
             self.reducer.start_window()
         self.reducer.before_backward(self.is_gradient_accumulation_boundary())
@@ -214,6 +221,7 @@ class Engine:
         self.reducer.after_backward()
         if self.stage3 is not None:
             self.stage3.after_backward()
+        self.flops_profiler.after_backward()
         return loss
 
     def step(self) -> None:
@@ -272,6 +280,7 @@ class Engine:
             if self._checkpoint_saver is not None:
                 self._checkpoint_saver.close()
                 self._checkpoint_saver = None
+            self.flops_profiler.close()
             self.zero.close()
             self.checkpointing.remove()
             self._remove_hooks()

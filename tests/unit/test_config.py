@@ -276,7 +276,6 @@ def test_activation_checkpointing_pattern_must_compile():
      "gradient_compression.type: not supported yet; got 'topk'"),
     ({"activation_checkpointing": {"partition_activations": True}},
      "activation_checkpointing.partition_activations: not supported yet; got True"),
-    ({"flops_profiler": {"enabled": True}}, "flops_profiler.enabled: not supported yet; got True"),
     ({"tensor_model_parallel_size": 4}, "tensor_model_parallel_size: not supported yet; got 4"),
     ({"pipeline_model_parallel_size": 2}, "pipeline_model_parallel_size: not supported yet; got 2"),
 ])
