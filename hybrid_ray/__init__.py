@@ -17,11 +17,11 @@ from .engine.loss_scaler import LossScaleUnderflowError
 from .engine.precision import FP16Layer, FP16Module
 from .engine.stage3 import register_external_parameter
 from .engine.topology import Topology
-from .profiling import get_model_profile
+from .profiling import Speedometer, get_model_profile
 
 __all__ = ["initialize", "Engine", "Config", "ConfigError", "NotSupportedError", "load_config",
            "FP16Layer", "FP16Module", "Topology", "NonFiniteGradientError", "LossScaleUnderflowError",
-           "checkpoint_activations", "register_external_parameter", "get_model_profile"]
+           "checkpoint_activations", "register_external_parameter", "Speedometer", "get_model_profile"]
 
 
 def initialize(model: nn.Module, model_parameters: Any = None, config: Any = None,
