@@ -11,10 +11,11 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import TensorDataset
 
 import hybrid_ray
 from hybrid_ray import ConfigError, Engine, NotSupportedError
+from hybrid_ray.data import ResumableLoader
 
 # The seed's ds_config.json (section 2.3), verbatim.
 SEED_DS_CONFIG = {
@@ -139,7 +140,9 @@ def test_training_data_gives_a_loader_of_micro_batches() -> None:
     ys = torch.zeros(40, 3)
     engine, _, loader, _ = hybrid_ray.initialize(mlp(), config=fp32_config(seed=7),
                                                  training_data=TensorDataset(xs, ys))
-    assert isinstance(loader, DataLoader)
+    # Like DeepSpeed's, not a torch DataLoader but a wrapper around one: it counts the batches it
+    # delivers, so checkpoints can save the data position (hybrid_ray/data/loader.py).
+    assert isinstance(loader, ResumableLoader) and engine.training_dataloader is loader
     batches = list(loader)
     assert len(batches) == len(loader) == 10
     assert all(x.shape == (4, 6) and y.shape == (4, 3) for x, y in batches)

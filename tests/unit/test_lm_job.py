@@ -88,7 +88,8 @@ def test_tiny_single_process_run_learns(data_dir, tmp_path, capsys):
     result = train(load_job(tiny_job(data_dir, tmp_path / "run")))
     out = capsys.readouterr().out
     assert "step    40/40" in out and "eval  step 20" in out and "final: train loss" in out
-    assert "bytes tokenizer, vocabulary 257" in out and "checkpoint: " in out
+    assert "bytes tokenizer, vocabulary 257" in out
+    assert (tmp_path / "run" / "checkpoints" / "global_step40").is_dir()
     assert result.steps == 40 and len(result.sample) >= 10
     # From ln(257) = 5.55 at initialisation to well below: the loop, engine and data fit together.
     assert result.val_loss < 4.0 and result.train_loss < 4.0
