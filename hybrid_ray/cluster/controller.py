@@ -59,7 +59,7 @@ class Controller:
         self.fn, self.scaling, self.failure = fn, scaling, failure
         self.storage_path, self.run_name = storage_path, run_name
         self.scaling_policy, self.failure_policy = ScalingPolicy(scaling), FailurePolicy(failure)
-        self.group = WorkerGroup(scaling)
+        self.group = WorkerGroup(scaling, run_name)
         self.result = Result(None)
         self._on_record, self._on_event = on_record, on_event
         self._last_step = -1

@@ -26,8 +26,8 @@ class Member:
 
 
 class WorkerGroup:
-    def __init__(self, scaling: ScalingConfig):
-        self.scaling = scaling
+    def __init__(self, scaling: ScalingConfig, name: str = "run"):
+        self.scaling, self.name = scaling, name
         self.resources = scaling.worker_resources()
         self.members: List[Member] = []
         self._created = 0
@@ -49,7 +49,10 @@ class WorkerGroup:
                     scheduling_strategy="SPREAD" if self.scaling.placement_strategy == "SPREAD" else "DEFAULT")
         fresh = []
         for _ in range(count):
-            fresh.append(Member(self._actor_cls.options(**opts).remote(), self._created))
+            # Named so that `ray list actors` (and an operator's ray.get_actor) tells them apart.
+            actor = self._actor_cls.options(name=f"hybrid_ray:{self.name}:worker{self._created}",
+                                            **opts).remote()
+            fresh.append(Member(actor, self._created))
             self._created += 1
         refs = {m.handle.info.remote(): m for m in fresh}
         ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)

@@ -96,20 +96,74 @@ def run_elastic(raw: Mapping[str, Any], min_workers: int, max_workers: int,
                                 use_gpu=ray.cluster_resources().get("GPU", 0) >= 1)
     storage, name = posixpath.split(job.train.out_dir)
     progress = ProgressReporter(total_steps=job.train.steps)
+    tracker = _tracker(name, raw, scaling)
     print(f"run {name}: {min_workers}-{max_workers} {'GPU' if scaling.use_gpu else 'CPU'} worker(s), "
-          f"checkpoints and metrics in {job.train.out_dir}", flush=True)
+          f"checkpoints and metrics in {job.train.out_dir}; MLflow {tracker.tracking_uri}", flush=True)
+
+    def on_record(rec: dict) -> None:
+        progress.record(rec)
+        if "step" in rec:
+            tracker.log_metrics(rec, rec["step"])
+
+    def on_event(msg: str) -> None:
+        progress.event(msg)
+        tracker.event(msg)
+
     trainer = ElasticTrainer(LMTrainFn(raw), scaling, failure, storage_path=storage, run_name=name,
-                             address=address, on_record=progress.record, on_event=progress.event)
+                             address=address, on_record=on_record, on_event=on_event)
     try:
         result = trainer.fit()
-    except TrainingFailedError as exc:
+    except BaseException as exc:
         progress.close()
+        tracker.close("FAILED")
+        if not isinstance(exc, TrainingFailedError):
+            raise
         print(f"error: {exc}", file=sys.stderr)
         return 1
     progress.close()
+    _finish_tracking(tracker, job, result)
     r = result.value
     print(f"done: {r.steps} steps, val loss {r.val_loss:.4f} nats/token against a unigram baseline "
           f"of {r.unigram_nats:.4f}; {result.failures} failure(s), world sizes {result.world_sizes}")
     if r.sample:
         print(f"sample:\n{r.sample}")
     return 0
+
+
+def _tracker(name: str, raw: Mapping[str, Any], scaling):
+    """The run's MLflow record (MLFLOW_TRACKING_URI, else sqlite:///mlflow.db here): the job
+    file as params and an artifact, the worker range, system metrics of the driver's host."""
+    from hybrid_ray.tracking import RunTracker
+
+    tracker = RunTracker(name, params=raw, tags={"hybrid_ray.job": "lm"})
+    tracker.log_params({"scaling.min_workers": scaling.min_workers,
+                        "scaling.max_workers": scaling.max_workers, "scaling.use_gpu": scaling.use_gpu})
+    tracker.log_dict(dict(raw), "config.json")
+    tracker.system_metrics(True)
+    return tracker
+
+
+def _finish_tracking(tracker, job: Job, result) -> None:
+    """Final numbers, where the checkpoints are, the exported model; then close the run."""
+    import tempfile
+
+    from hybrid_ray.engine.checkpoint_offline import export
+
+    r = result.value
+    tracker.log_metrics({"final_val_loss": r.val_loss, "unigram_baseline": r.unigram_nats,
+                         "failures": result.failures}, r.steps, monotonic=False)
+    ckpts = job.train.out_dir.rstrip("/") + "/checkpoints"
+    tracker.set_tags({"checkpoints": ckpts, "world_sizes": str(result.world_sizes)})
+    if r.sample:
+        tracker.log_text(r.sample, "sample.txt")
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = posixpath.join(tmp, "model.safetensors")
+            tag, _ = export(ckpts, out)
+            tracker.log_artifact(out, "model")  # copied now: the folder goes away below
+            tracker.set_tags({"exported_checkpoint": tag})
+    except Exception as exc:  # noqa: BLE001 - a missing export must not fail a finished run
+        print(f"warning: model export for MLflow failed: {exc}", file=sys.stderr)
+    report = tracker.close("FINISHED")
+    if report.unsent:
+        print(f"warning: {report.unsent} MLflow item(s) could not be sent", file=sys.stderr)

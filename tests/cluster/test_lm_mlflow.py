@@ -1,0 +1,56 @@
+"""The LM job on Ray recorded in a real MLflow server: one worker killed mid-run leaves exactly
+one run, each step's metrics once and in order, with params, events and artifacts."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from hybrid_ray.cluster.lm import run_elastic
+from tests.cluster.test_lm_on_ray import data, job  # noqa: F401 - data is a fixture
+from tests.cluster.test_mlflow_tracker import server  # noqa: F401 - a fixture
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+STEPS = 16
+
+
+def test_killed_worker_leaves_one_mlflow_run_with_every_step_once(ray_session, server, data, tmp_path,
+                                                                     monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", server.uri)
+    raw = job(data, tmp_path / "lm-mlflow", steps=STEPS)
+    box = {}
+    t = threading.Thread(target=lambda: box.setdefault("code", run_elastic(raw, 1, 2, max_failures=2)))
+    t.start()
+    ray = ray_session
+    deadline = time.monotonic() + 300
+    while True:  # kill worker 1 once training is under way (its first checkpoint written)
+        assert time.monotonic() < deadline and t.is_alive()
+        if (tmp_path / "lm-mlflow" / "checkpoints" / "latest").exists():
+            try:
+                ray.kill(ray.get_actor("hybrid_ray:lm-mlflow:worker1"), no_restart=True)
+                break
+            except ValueError:
+                pass
+        time.sleep(0.2)
+    t.join(400)
+    assert box["code"] == 0
+
+    client = MlflowClient(server.uri)
+    exp = client.get_experiment_by_name("hybrid_ray")
+    runs = client.search_runs([exp.experiment_id], "tags.`hybrid_ray.run_name` = 'lm-mlflow'")
+    assert len(runs) == 1
+    run = runs[0]
+    assert run.info.status == "FINISHED"
+    history = client.get_metric_history(run.info.run_id, "train_loss")
+    steps = [m.step for m in sorted(history, key=lambda m: m.timestamp)]
+    assert steps == sorted(set(steps)) and steps[-1] == STEPS  # each step once, in order
+    assert run.data.params["engine.zero_optimization.stage"] == "1"
+    assert run.data.params["scaling.max_workers"] == "2"
+    assert client.get_metric_history(run.info.run_id, "final_val_loss")
+    assert [m.value for m in client.get_metric_history(run.info.run_id, "world_size")][0] == 2
+    files = {f.path for f in client.list_artifacts(run.info.run_id)}
+    assert {"config.json", "events.log", "model"} <= files, files
+    events = client.download_artifacts(run.info.run_id, "events.log", str(tmp_path))
+    assert "worker 1 lost" in open(events).read()
