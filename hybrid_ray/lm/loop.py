@@ -21,6 +21,7 @@ from hybrid_ray.lm.evaluate import all_sum, evaluate, generate
 from hybrid_ray.lm.job import Job, for_world
 from hybrid_ray.lm.setup import (Run, RunContext, RunLog, build, checkpoint_dir, prepare_data,
                                  resume, set_threads)
+from hybrid_ray.profiling.speedometer import Speedometer
 
 Batch = Tuple[torch.Tensor, torch.Tensor]
 
@@ -96,6 +97,11 @@ def train_steps(job: Job, run: Run, log: RunLog,
     ctx.stop ended the run at a checkpoint); the tokens/s leave evaluation and checkpoint time out.
     """
     ctx = ctx or RunContext()
+    # Throughput, TFLOPS, MFU and memory every log interval (flops measured once on a real
+    # step), recorded with the losses: metrics.jsonl, the driver, MLflow.
+    speed = Speedometer(run.engine, interval=run.engine.config.steps_per_print, verbose=False,
+                        tokens_per_sample=job.model.seq_len,
+                        on_report=lambda rec: log.record(**{k: v for k, v in rec.items() if k != "loss"}))
     engine, steps, every = run.engine, job.train.steps, run.engine.config.steps_per_print
     tokens_per_step = engine.train_batch_size() * job.model.seq_len
     data = batches(run)
@@ -121,6 +127,7 @@ def train_steps(job: Job, run: Run, log: RunLog,
                       (step - logged) * tokens_per_step / (now - t_log))
             loss_sum.zero_()
             t_log, logged = now, step
+        speed.update()
         if ctx.on_step is not None:
             ctx.on_step(step)
         t0 = time.perf_counter()
