@@ -191,7 +191,11 @@ def _cached_copy(fs: pafs.FileSystem, path: str, cache_dir: Optional[str]) -> st
         root.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=root, suffix=".part")
         os.close(fd)
-        pafs.copy_files(path, tmp, source_filesystem=fs,
-                        destination_filesystem=pafs.LocalFileSystem())
-        os.replace(tmp, local)  # atomic: a reader never maps a half-copied file
+        try:
+            pafs.copy_files(path, tmp, source_filesystem=fs,
+                            destination_filesystem=pafs.LocalFileSystem())
+            os.replace(tmp, local)  # atomic: a reader never maps a half-copied file
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
     return str(local)
