@@ -75,8 +75,11 @@ def _check_supported(cfg: Config) -> None:
             zero.offload_optimizer.device, "allowed: 'none', 'cpu' (nvme offload is planned)")
     _refuse(zero.offload_param.device != "none", "zero_optimization.offload_param.device",
             zero.offload_param.device, "allowed: 'none' (parameter offload is planned)")
-    _refuse(cfg.gradient_compression.type != "none", "gradient_compression.type",
-            cfg.gradient_compression.type, "allowed: 'none' (compression is planned)")
+    gc = cfg.gradient_compression
+    _refuse(gc.type == "powersgd", "gradient_compression.type", gc.type,
+            "allowed: 'none', 'topk', 'fp16', 'bf16' (powersgd is planned)")
+    _refuse(gc.type == "topk" and zero.stage == 3, "gradient_compression.type", gc.type,
+            "allowed at zero_optimization.stage 3: 'none', 'fp16', 'bf16' (topk at stage 3 is planned)")
     _refuse(ac.partition_activations, "activation_checkpointing.partition_activations",
             ac.partition_activations, "allowed: false (partitioning activations across ranks "
             "needs tensor parallelism, which is planned)")

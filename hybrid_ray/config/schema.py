@@ -86,6 +86,12 @@ class Config:
         if self.fp16.enabled and self.bf16.enabled:
             raise config_error("fp16.enabled, bf16.enabled", "contradiction",
                                Verbatim("both true"), "enable at most one")
+        kind, comm = self.gradient_compression.type, self.communication_data_type
+        if kind in ("fp16", "bf16") and comm is not None and comm != kind:
+            raise config_error("gradient_compression.type, communication_data_type", "contradiction",
+                               Verbatim(f"{kind!r} and {comm!r}"),
+                               "gradient_compression fp16/bf16 sets the reduction dtype: leave "
+                               "communication_data_type unset or equal to it")
 
     @property
     def base_dtype(self) -> str:

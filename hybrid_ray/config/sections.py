@@ -120,15 +120,17 @@ class CompressionConfig:
     """Gradient compression applied before the data-parallel reduction."""
 
     type: Literal["none", "topk", "powersgd", "fp16", "bf16"] = "none"
-    """Compression method; fp16/bf16 reduce in that dtype."""
+    """Compression method: topk sends each bucket's largest entries as (index, value) pairs;
+    fp16/bf16 reduce in that dtype (the same as communication_data_type); powersgd is planned."""
     topk_ratio: float = checked(0.01, gt=0, le=1)
-    """topk: fraction of gradient elements sent."""
+    """topk: fraction of each bucket's gradient elements sent per reduction."""
     rank: int = checked(1, ge=1)
     """powersgd: rank of the low-rank approximation."""
     warmup_steps: int = checked(0, ge=0)
-    """Uncompressed steps before compression starts."""
+    """topk: optimizer steps over which the density falls exponentially from 1.0 to topk_ratio
+    (Deep Gradient Compression's warm-up); 0: topk_ratio from the first step."""
     error_feedback: bool = True
-    """Carry the compression error into the next step's gradient."""
+    """topk: carry the unsent remainder (fp32, per rank and bucket) into the next reduction."""
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ import torch.nn as nn
 from ..config import Config, load_config
 from . import build, relayout, stage3
 from .checkpointing import apply_activation_checkpointing
+from .compression import TopK
 from .loss_scaler import LossScaler, NoLossScaler, build_loss_scaler
 from .offload import HostOffload
 from .precision import HALF, PrecisionPolicy, autocast_region, cast_floating, dtype_of
@@ -97,10 +98,14 @@ class Engine:
             self.spaces = build.build_spaces(groups, topo.device, zc.reduce_bucket_size, num_shards, topo.rank)
         if broadcast:
             build.broadcast_state(self.spaces, self.module, topo)
-        reduce_dtype = dtype_of(self.config.communication_data_type or "fp32")
+        gc, comm_dtype = self.config.gradient_compression, self.config.communication_data_type
+        # fp16/bf16 compression is a half-precision reduction (the config refuses a contradiction).
+        reduce_dtype = dtype_of(gc.type if gc.type in ("fp16", "bf16") else comm_dtype or "fp32")
+        topk = TopK(gc.topk_ratio, gc.warmup_steps, gc.error_feedback) if gc.type == "topk" else None
         offload = HostOffload.from_config(zc.offload_optimizer, topo.device)  # None unless device: cpu
         self.reducer = GradReducer(self.spaces, topo, min(zc.stage, 2), reduce_dtype, zc.overlap_comm,
-                                   zc.reduce_scatter, offload, max_inflight=2 if partition_params else None)
+                                   zc.reduce_scatter, offload, max_inflight=2 if partition_params else None,
+                                   topk=topk, dense_dtype=dtype_of(comm_dtype or "fp32"))
         self.zero = ZeroOptimizer(self.spaces, self.reducer, topo)
         self.stage3: Optional[stage3.Stage3Controller] = None
         if partition_params:  # after the masters are built from the whole parameters
@@ -241,6 +246,7 @@ class Engine:
         scaler = self._scaler
         old_scale = scaler.loss_scale
         scaler.update(outcome.overflow)
+        self.reducer.end_step(outcome.overflow, scaler.loss_scale / old_scale)
         if not outcome.overflow:
             self._consecutive_skips = 0
             if self.lr_scheduler is not None:
@@ -344,6 +350,12 @@ class Engine:
         if out[0] is not None:
             self._apply_schedule()
         return out
+
+    def compression_stats(self) -> dict:
+        """Gradient bytes this rank sent in the last optimizer step against the uncompressed
+        reduction: {"bytes_sent", "dense_bytes", "ratio", "total_bytes_sent",
+        "total_dense_bytes", "steps"} (all zero with one rank: nothing is reduced)."""
+        return self.reducer.stats.summary()
 
     def memory_breakdown(self) -> dict:
         """Bytes held by this rank for parameters, gradients, masters and optimizer state."""

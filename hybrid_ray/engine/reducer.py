@@ -16,6 +16,10 @@ With one rank nothing is reduced: the master gradient is one cast-copy of the fl
 A bucket's first reduction in a window overwrites its slice of the master gradient; later ones
 (stage 2's further micro-batches) add to it, so the master gradient is never zeroed.
 
+With `gradient_compression: topk` (compression.py) a bucket is exchanged as the (index, value)
+pairs of its largest entries instead of reduced densely; the sum lands in the master gradient
+the same way, so everything after the reduction is unchanged.
+
 With optimizer offload (offload.py) the master gradient is a persistent host buffer: a reduced
 bucket lands there through the offload's side-stream copy as soon as its collective finishes,
 and with one rank the buckets are streamed to the host from the same hooks (nothing to reduce).
@@ -29,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from . import comm
+from .compression import CommStats, TopK
 from .flat import Bucket, FlatSpace
 from .offload import HostOffload
 from .topology import Topology
@@ -104,8 +109,13 @@ class GradReducer:
 
     def __init__(self, spaces: List[FlatSpace], topo: Topology, stage: int,
                  reduce_dtype: torch.dtype, overlap: bool, use_reduce_scatter: bool,
-                 offload: Optional[HostOffload] = None, max_inflight: Optional[int] = None):
+                 offload: Optional[HostOffload] = None, max_inflight: Optional[int] = None,
+                 topk: Optional[TopK] = None, dense_dtype: Optional[torch.dtype] = None):
         self.topo, self.stage, self.offload = topo, stage, offload
+        self.topk = topk  # sparse exchange of each bucket (stages 0-2); values travel in fp32
+        self.stats = CommStats()
+        # What a reduction would carry uncompressed: the baseline of stats' ratio.
+        self.dense_itemsize = (dense_dtype or reduce_dtype).itemsize
         # A collective holds its input (the packed bucket) until someone waits on it. Stage 3
         # packs one whole unit per bucket, so keeping every reduction of a backward in flight
         # holds all units' packed gradients at once; finishing the oldest beyond this many (as
@@ -121,7 +131,7 @@ class GradReducer:
         self.use_reduce_scatter = use_reduce_scatter
         # Half-precision sums over many ranks can overflow: divide before reducing. fp32 sums
         # are divided after, folded into the single unscale multiply of the step.
-        self.predivide = self.distributed and reduce_dtype != torch.float32
+        self.predivide = self.distributed and reduce_dtype != torch.float32 and topk is None
         self.grads = [SpaceGrads(s, not self.partitioned_grads, i, offload) for i, s in enumerate(spaces)]
         self._armed = False
         self._inflight: List[Callable[[], None]] = []
@@ -200,7 +210,12 @@ class GradReducer:
         # One rank (offload only): widened to fp32 on the device, the copy lands directly in the
         # host master gradient (a host-side widen costs more than the extra bytes, which
         # travel while backward runs).
+        if self.topk is not None and self.distributed:
+            self._launch_sparse(g, b)
+            return
         data = g.bucket_input(b, self.reduce_dtype if self.distributed else torch.float32)
+        if self.distributed:
+            self.stats.add(data.numel() * data.element_size(), b.numel * self.dense_itemsize)
         if self.predivide:
             data = data / self.topo.world_size
         out = g.master_slice(b)
@@ -223,9 +238,29 @@ class GradReducer:
         if result.device != out.device:  # offloaded to the host: copy on the side stream now
             self._inflight.append(self.offload.land(work, result, out, accumulate, data))
         else:
-            self._inflight.append(lambda: self._finish(work, result, out, accumulate))
-            if self.max_inflight is not None and len(self._inflight) > self.max_inflight:
-                self._inflight.pop(0)()
+            self._track(lambda: self._finish(work, result, out, accumulate))
+
+    def _launch_sparse(self, g: SpaceGrads, b: Bucket) -> None:
+        """Top-k: all_gather this rank's (index, value) pairs, sum those of its own slice."""
+        data = g.bucket_input(b, torch.float32)
+        out = g.master_slice(b)
+        accumulate = g.mark_landed(b)
+        lo, hi = b.shard_range(g.space.rank, g.space.num_shards)
+        sent, finish = self.topk.exchange((g.index, b.index), data, lo - b.start, hi - b.start,
+                                          self.topo.group)
+        self.stats.add(sent, b.numel * self.dense_itemsize)
+        self._track(lambda: self._finish(None, finish(), out, accumulate))
+
+    def _track(self, finish: Callable[[], None]) -> None:
+        self._inflight.append(finish)
+        if self.max_inflight is not None and len(self._inflight) > self.max_inflight:
+            self._inflight.pop(0)()
+
+    def end_step(self, overflow: bool, scale_ratio: float) -> None:
+        """After an optimizer step: close the step's byte count; keep top-k residuals consistent."""
+        self.stats.end_step()
+        if self.topk is not None:
+            self.topk.on_step(overflow, scale_ratio)
 
     @staticmethod
     def _finish(work: Optional[dist.Work], result: torch.Tensor, out: torch.Tensor,
