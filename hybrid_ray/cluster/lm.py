@@ -56,9 +56,14 @@ class LMTrainFn:
         from hybrid_ray.lm.loop import train  # heavy imports on the worker, not the driver
         from hybrid_ray.lm.setup import RunContext
 
+        import torch
+
+        # The worker set its thread count from its CPU resources: keep it (the loop would
+        # otherwise split the machine's cores as if this were the only process on it).
         result = train(load_job(self.raw), RunContext(topology=ctx.topology, resume=True,
                                                       report=ctx.report, on_step=ctx.step_done,
-                                                      stop=ctx.agree_to_stop))
+                                                      stop=ctx.agree_to_stop,
+                                                      threads=torch.get_num_threads()))
         if result.stopped:
             raise StopTraining()
         return result
@@ -125,9 +130,7 @@ def run_elastic(raw: Mapping[str, Any], min_workers: int, max_workers: int,
     r = result.value
     print(f"done: {r.steps} steps, val loss {r.val_loss:.4f} nats/token against a unigram baseline "
           f"of {r.unigram_nats:.4f}; {result.failures} failure(s), world sizes {result.world_sizes}")
-    if r.sample:
-        print(f"sample:\n{r.sample}")
-    return 0
+    return 0  # rank 0 printed the sample itself (its output reaches this driver)
 
 
 def _tracker(name: str, raw: Mapping[str, Any], scaling):

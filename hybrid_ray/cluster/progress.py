@@ -52,11 +52,11 @@ class ProgressReporter:
         elif step % self.log_every == 0 or (self.total and step == self.total) or "val_loss" in rec:
             total = f"/{self.total}" if self.total else ""
             self.console.print(f"step {step}{total} | {_fmt(self._last)} | "
-                               f"{time.monotonic() - self._t0:.0f} s", highlight=False)
+                               f"{time.monotonic() - self._t0:.0f} s", highlight=False, soft_wrap=True)
 
     def event(self, msg: str) -> None:
         self.console.print(f"[bold yellow]event[/]: {msg}" if self.live else f"event: {msg}",
-                           highlight=False)
+                           highlight=False, soft_wrap=True)
 
     def close(self) -> None:
         if self._progress is not None:
