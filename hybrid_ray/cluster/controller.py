@@ -63,6 +63,7 @@ class Controller:
         self.result = Result(None)
         self._on_record, self._on_event = on_record, on_event
         self._last_step = -1
+        self._failed_at: Optional[float] = None  # when the newest failure was detected
 
     # ---- the state machine ----------------------------------------------------------------
     def run(self) -> Result:
@@ -175,6 +176,7 @@ class Controller:
             steps = [n["step"] for n in news.values() if isinstance(n, dict)]
             if steps and max(steps) > newest:
                 newest, last_progress = max(steps), time.monotonic()
+                self._note_recovery(newest)
             if any(s == FAILED for s in states.values()):
                 first = next(n["error"] for n in news.values() if isinstance(n, dict) and n["state"] == FAILED)
                 log.warning("a worker failed:\n%s", first)
@@ -197,6 +199,7 @@ class Controller:
 
     def _teardown(self, lost: List[Member], reason: str) -> _Outcome:
         """Stop every survivor's training; one whose training does not end is frozen: lost too."""
+        self._failed_at = time.monotonic()
         lost_ids = {m.index for m in lost}
         alive = [m for m in self.group.members if m.index not in lost_ids]
         for m in alive:
@@ -222,6 +225,18 @@ class Controller:
                 self.result.records.append(rec)
                 if self._on_record:
                     self._on_record(rec)
+
+    def _note_recovery(self, step: int) -> None:
+        """The first step after a failure: how long training stood still, as an event and a
+        metric (recovery_s at that step)."""
+        if self._failed_at is None:
+            return
+        seconds, self._failed_at = time.monotonic() - self._failed_at, None
+        self._event(f"recovered: step {step} done {seconds:.1f} s after the failure was detected")
+        rec = {"step": step, "recovery_s": round(seconds, 3), "world_size": len(self.group.members)}
+        self.result.records.append(rec)
+        if self._on_record:
+            self._on_record(rec)
 
     def _event(self, msg: str) -> None:
         self.result.events.append(msg)

@@ -53,4 +53,6 @@ def test_killed_worker_leaves_one_mlflow_run_with_every_step_once(ray_session, s
     files = {f.path for f in client.list_artifacts(run.info.run_id)}
     assert {"config.json", "events.log", "model"} <= files, files
     events = client.download_artifacts(run.info.run_id, "events.log", str(tmp_path))
-    assert "worker 1 lost" in open(events).read()
+    text = open(events).read()
+    assert "worker 1 lost" in text and "recovered: step" in text
+    assert client.get_metric_history(run.info.run_id, "recovery_s")[0].value > 0
