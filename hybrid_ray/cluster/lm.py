@@ -106,6 +106,9 @@ def run_elastic(raw: Mapping[str, Any], min_workers: int, max_workers: int,
           f"checkpoints and metrics in {job.train.out_dir}; MLflow {tracker.tracking_uri}", flush=True)
 
     def on_record(rec: dict) -> None:
+        if "flops_report" in rec:  # the flops profile of one training step, from rank 0
+            tracker.log_text(rec["flops_report"], "reports/flops.txt")
+            return
         progress.record(rec)
         if "step" in rec:
             tracker.log_metrics(rec, rec["step"])

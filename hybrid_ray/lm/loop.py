@@ -128,6 +128,7 @@ def train_steps(job: Job, run: Run, log: RunLog,
             loss_sum.zero_()
             t_log, logged = now, step
         speed.update()
+        _send_flops_report(run, log)
         if ctx.on_step is not None:
             ctx.on_step(step)
         t0 = time.perf_counter()
@@ -141,6 +142,17 @@ def train_steps(job: Job, run: Run, log: RunLog,
     seconds = time.perf_counter() - start
     trained = (steps - first) * tokens_per_step
     return last_loss, seconds, trained / max(seconds - paused, 1e-9), steps != job.train.steps
+
+
+def _send_flops_report(run: Run, log: RunLog) -> None:
+    """Once the Speedometer's profile of a training step exists, rank 0 sends its per-module
+    report to the driver (an MLflow artifact there), once per run."""
+    profile = run.engine.flops_profiler.last
+    if profile is None or log.report is None or log.rank != 0 or getattr(log, "_flops_sent", False):
+        return
+    from hybrid_ray.engine.profile_report import format_report
+    log._flops_sent = True
+    log.report({"step": run.engine.global_steps, "flops_report": format_report(profile, module_depth=2)})
 
 
 def _between_steps(job: Job, run: Run, log: RunLog, step: int) -> bool:

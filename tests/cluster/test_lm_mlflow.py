@@ -51,7 +51,8 @@ def test_killed_worker_leaves_one_mlflow_run_with_every_step_once(ray_session, s
     assert client.get_metric_history(run.info.run_id, "final_val_loss")
     assert [m.value for m in client.get_metric_history(run.info.run_id, "world_size")][0] == 2
     files = {f.path for f in client.list_artifacts(run.info.run_id)}
-    assert {"config.json", "events.log", "model"} <= files, files
+    assert {"config.json", "events.log", "model", "reports"} <= files, files
+    assert [f.path for f in client.list_artifacts(run.info.run_id, "reports")] == ["reports/flops.txt"]
     events = client.download_artifacts(run.info.run_id, "events.log", str(tmp_path))
     text = open(events).read()
     assert "worker 1 lost" in text and "recovered: step" in text
