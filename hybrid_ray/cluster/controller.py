@@ -203,7 +203,7 @@ class Controller:
         lost_ids = {m.index for m in lost}
         alive = [m for m in self.group.members if m.index not in lost_ids]
         for m in alive:
-            m.handle.request_stop.remote()
+            m.handle.abort.remote()
         grace = self.failure.collective_timeout_s + 5.0
         refs = {m.index: m.handle.wait_idle.remote(grace) for m in alive}
         for m in alive:

@@ -18,6 +18,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+from hybrid_ray.engine import checkpoint_write
 from hybrid_ray.engine.topology import Topology
 
 from .context import WorkerContext
@@ -64,6 +65,7 @@ class Worker:
             self._state, self._error, self._result = RUNNING, None, None
             self._step, self._step_time = -1, time.monotonic()
         self._stop.clear()
+        checkpoint_write.clear_abort()
         self._thread = threading.Thread(target=self._main, args=(fn, spec), daemon=True,
                                         name=f"hybrid-ray-train-g{spec['generation']}")
         self._thread.start()
@@ -100,7 +102,14 @@ class Worker:
                     "step_age_s": time.monotonic() - self._step_time, "records": records}
 
     def request_stop(self) -> None:
+        """Stop at the next checkpoint boundary (growth)."""
         self._stop.set()
+
+    def abort(self) -> None:
+        """The group is being torn down: stop, and end any checkpoint commit wait now (a peer
+        whose files it waits for may be gone)."""
+        self._stop.set()
+        checkpoint_write.abort_waits()
 
     def wait_idle(self, timeout_s: float) -> bool:
         """Wait for the training thread to end; False if it is still running (frozen)."""

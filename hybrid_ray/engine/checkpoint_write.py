@@ -17,6 +17,7 @@ process group and deadlock or mismatch, so the ranks agree through files instead
 from __future__ import annotations
 
 import concurrent.futures as cf
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -103,6 +104,21 @@ def _marker(rank: int) -> str:
 
 
 # ---- steps 2 and 3: agreeing through files --------------------------------------------------------
+# Set by a supervisor (the Ray worker tearing its group down) to end every commit wait of this
+# process at once: a rank waiting for the files of a peer that died would otherwise wait
+# commit_timeout_s, and look frozen to the driver meanwhile.
+_ABORT = threading.Event()
+
+
+def abort_waits() -> None:
+    """Make every commit wait in this process fail now (and until clear_abort)."""
+    _ABORT.set()
+
+
+def clear_abort() -> None:
+    _ABORT.clear()
+
+
 def _poll(what: Callable[[], Optional[Any]], timeout_s: float, waiting_for: str) -> Any:
     """Call `what` until it returns something, backing off from 20 ms to 0.5 s between calls."""
     deadline, delay = time.monotonic() + timeout_s, 0.02
@@ -110,6 +126,8 @@ def _poll(what: Callable[[], Optional[Any]], timeout_s: float, waiting_for: str)
         got = what()
         if got is not None:
             return got
+        if _ABORT.is_set():
+            raise CheckpointError(f"stopped waiting for {waiting_for}: the run is being torn down")
         if time.monotonic() > deadline:
             raise CheckpointError(f"gave up after {timeout_s:g} s waiting for {waiting_for} "
                                   "(checkpoint.commit_timeout_s)")
