@@ -47,7 +47,7 @@ def train_mlp(ctx: WorkerContext, steps: int = 12, every: int = 2, stage: int = 
     while engine.global_steps < steps:
         step = engine.global_steps
         _maybe_fault(ctx, step, fault)
-        x, y = _batch(step, ctx.rank, world)
+        x, y = (t.to(ctx.topology.device) for t in _batch(step, ctx.rank, world))
         loss = nn.functional.mse_loss(engine(x), y)
         engine.backward(loss)
         engine.step()
