@@ -82,6 +82,7 @@ def test_for_world_keeps_the_global_batch():
         for_world(job, 3)
 
 
+@pytest.mark.slow
 def test_tiny_single_process_run_learns(data_dir, tmp_path, capsys):
     from hybrid_ray.lm.loop import train
 
@@ -100,6 +101,7 @@ def test_tiny_single_process_run_learns(data_dir, tmp_path, capsys):
     assert records[-1]["final_val_loss"] == result.val_loss
 
 
+@pytest.mark.slow
 def test_resume_continues_like_an_uninterrupted_run(data_dir, tmp_path):
     from hybrid_ray.lm.loop import train
 
