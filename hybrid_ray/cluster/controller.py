@@ -182,7 +182,7 @@ class Controller:
                 log.warning("a worker failed:\n%s", first)
                 return self._teardown([], "worker failed: " + first.strip().splitlines()[-1][:200])
             if states and all(s == FINISHED for s in states.values()) and len(states) == world:
-                value = self.group.by_index(self.group.members[0].index).handle.result.remote()
+                value = self.group.members[0].handle.result.remote()
                 return _Outcome("finished", value=ray.get(value))
             if states and all(s in (STOPPED, FINISHED) for s in states.values()) and stop_sent:
                 self._event(f"stopped at step {self._last_step} to grow to {stop_sent} worker(s)")

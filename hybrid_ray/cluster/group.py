@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List
 
 import ray
 
@@ -85,26 +85,23 @@ class WorkerGroup:
     def call(self, method: str, *args, timeout_s: float = 30.0) -> Dict[int, Any]:
         """Call a method on every member. member index -> result, or the exception it raised
         (RayActorError when the actor is dead, GetTimeoutError when it did not answer)."""
-        refs = {m.index: getattr(m.handle, method).remote(*args) for m in self.members}
-        out: Dict[int, Any] = {}
-        deadline = time.monotonic() + timeout_s
-        for index, ref in refs.items():
-            try:
-                out[index] = ray.get(ref, timeout=max(0.01, deadline - time.monotonic()))
-            except (ray.exceptions.RayError, TimeoutError) as exc:
-                out[index] = exc
-        return out
+        return _collect({m.index: getattr(m.handle, method).remote(*args) for m in self.members},
+                        timeout_s)
 
     def start(self, fn: Any, specs: Dict[int, Dict[str, Any]]) -> Dict[int, Any]:
+        """Start every member's training with its own spec; results as in `call`."""
         fn_ref = ray.put(fn)
-        refs = {m.index: m.handle.start.remote(fn_ref, specs[m.index]) for m in self.members}
-        out = {}
-        for index, ref in refs.items():
-            try:
-                out[index] = ray.get(ref, timeout=30)
-            except (ray.exceptions.RayError, TimeoutError) as exc:
-                out[index] = exc
-        return out
+        return _collect({m.index: m.handle.start.remote(fn_ref, specs[m.index]) for m in self.members},
+                        30.0)
 
-    def by_index(self, index: int) -> Optional[Member]:
-        return next((m for m in self.members if m.index == index), None)
+
+def _collect(refs: Dict[int, Any], timeout_s: float) -> Dict[int, Any]:
+    """Wait for each reply within one shared deadline; an error stands in for a missing reply."""
+    out: Dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    for index, ref in refs.items():
+        try:
+            out[index] = ray.get(ref, timeout=max(0.01, deadline - time.monotonic()))
+        except (ray.exceptions.RayError, TimeoutError) as exc:
+            out[index] = exc
+    return out

@@ -8,6 +8,7 @@ checkpoint. Paths are made absolute on the driver: workers do not share its work
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import posixpath
 import sys
@@ -97,8 +98,7 @@ def run_elastic(raw: Mapping[str, Any], min_workers: int, max_workers: int,
     _connect(address)
     if use_gpu is None:  # the cluster decides: GPU workers where it has GPUs
         import ray
-        scaling = ScalingConfig(min_workers=min_workers, max_workers=max_workers,
-                                use_gpu=ray.cluster_resources().get("GPU", 0) >= 1)
+        scaling = dataclasses.replace(scaling, use_gpu=ray.cluster_resources().get("GPU", 0) >= 1)
     storage, name = posixpath.split(job.train.out_dir)
     progress = ProgressReporter(total_steps=job.train.steps)
     tracker = _tracker(name, raw, scaling)

@@ -99,6 +99,7 @@ def train_steps(job: Job, run: Run, log: RunLog,
     ctx = ctx or RunContext()
     # Throughput, TFLOPS, MFU and memory every log interval (flops measured once on a real
     # step), recorded with the losses: metrics.jsonl, the driver, MLflow.
+    flops_sent = False
     speed = Speedometer(run.engine, interval=run.engine.config.steps_per_print, verbose=False,
                         tokens_per_sample=job.model.seq_len,
                         on_report=lambda rec: log.record(**{k: v for k, v in rec.items() if k != "loss"}))
@@ -128,7 +129,7 @@ def train_steps(job: Job, run: Run, log: RunLog,
             loss_sum.zero_()
             t_log, logged = now, step
         speed.update()
-        _send_flops_report(run, log)
+        flops_sent = flops_sent or _send_flops_report(run, log)
         if ctx.on_step is not None:
             ctx.on_step(step)
         t0 = time.perf_counter()
@@ -144,15 +145,17 @@ def train_steps(job: Job, run: Run, log: RunLog,
     return last_loss, seconds, trained / max(seconds - paused, 1e-9), steps != job.train.steps
 
 
-def _send_flops_report(run: Run, log: RunLog) -> None:
+def _send_flops_report(run: Run, log: RunLog) -> bool:
     """Once the Speedometer's profile of a training step exists, rank 0 sends its per-module
-    report to the driver (an MLflow artifact there), once per run."""
+    report to the driver (an MLflow artifact there). Returns whether the profile exists (the
+    caller stops asking then: once per run)."""
     profile = run.engine.flops_profiler.last
-    if profile is None or log.report is None or log.rank != 0 or getattr(log, "_flops_sent", False):
-        return
-    from hybrid_ray.engine.profile_report import format_report
-    log._flops_sent = True
-    log.report({"step": run.engine.global_steps, "flops_report": format_report(profile, module_depth=2)})
+    if profile is None:
+        return False
+    if log.report is not None and log.rank == 0:
+        from hybrid_ray.engine.profile_report import format_report
+        log.report({"step": run.engine.global_steps, "flops_report": format_report(profile, module_depth=2)})
+    return True
 
 
 def _between_steps(job: Job, run: Run, log: RunLog, step: int) -> bool:
