@@ -26,6 +26,12 @@ from .worker import FAILED, FINISHED, RUNNING, STOPPED
 log = logging.getLogger("hybrid_ray.cluster")
 
 
+def node_label(info: Dict[str, Any]) -> str:
+    """How a node's system metrics are named (system/<label>/...): its IP, and the start of its
+    Ray node id, since several nodes can share one IP (containers, ray.cluster_utils)."""
+    return f"{info['ip']}-{info['node_id'][:6]}"
+
+
 class TrainingFailedError(RuntimeError):
     """The run could not go on; the checkpoints written so far are intact."""
 
@@ -55,8 +61,10 @@ class Controller:
     def __init__(self, fn: Callable, scaling: ScalingConfig, failure: FailureConfig,
                  storage_path: str, run_name: str,
                  on_record: Optional[Callable[[dict], None]] = None,
-                 on_event: Optional[Callable[[str], None]] = None):
+                 on_event: Optional[Callable[[str], None]] = None,
+                 node_metrics_interval_s: Optional[float] = None):
         self.fn, self.scaling, self.failure = fn, scaling, failure
+        self.node_metrics_interval_s = node_metrics_interval_s
         self.storage_path, self.run_name = storage_path, run_name
         self.scaling_policy, self.failure_policy = ScalingPolicy(scaling), FailurePolicy(failure)
         self.group = WorkerGroup(scaling, run_name)
@@ -158,7 +166,20 @@ class Controller:
         dead = [m for m in members if isinstance(started.get(m.index), Exception)]
         if dead:
             return self._teardown(dead, "worker lost while starting")
+        self._monitor_nodes()
         return self._watch(world)
+
+    def _monitor_nodes(self) -> None:
+        """One worker per node samples that node's system metrics (records `system_metrics`);
+        the others stop. Asked again each generation: the sampling worker may have been lost."""
+        if not self.node_metrics_interval_s:
+            return
+        first: Dict[str, Member] = {}
+        for m in self.group.members:
+            first.setdefault(m.info["node_id"], m)
+        for m in self.group.members:  # fire and forget: a lost worker shows up in the next poll
+            label = node_label(m.info) if first[m.info["node_id"]] is m else None
+            m.handle.monitor_node.remote(label, self.node_metrics_interval_s)
 
     def _watch(self, world: int) -> _Outcome:
         started = time.monotonic()
@@ -221,6 +242,10 @@ class Controller:
                 continue
             self._last_step = max(self._last_step, n["step"])
             for rec in n["records"]:
+                if "system_metrics" in rec:  # a node's sample, not a training record
+                    if self._on_record:
+                        self._on_record(rec)
+                    continue
                 rec.setdefault("world_size", len(self.group.members))
                 self.result.records.append(rec)
                 if self._on_record:

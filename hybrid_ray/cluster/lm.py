@@ -109,6 +109,9 @@ def run_elastic(raw: Mapping[str, Any], min_workers: int, max_workers: int,
         if "flops_report" in rec:  # the flops profile of one training step, from rank 0
             tracker.log_text(rec["flops_report"], "reports/flops.txt")
             return
+        if "system_metrics" in rec:  # a worker node's CPU/memory/disk/network/GPU sample
+            tracker.log_system_metrics(rec["system_metrics"], rec["node"], rec["timestamp_ms"])
+            return
         progress.record(rec)
         if "step" in rec:
             tracker.log_metrics(rec, rec["step"])
@@ -118,7 +121,8 @@ def run_elastic(raw: Mapping[str, Any], min_workers: int, max_workers: int,
         tracker.event(msg)
 
     trainer = ElasticTrainer(LMTrainFn(raw), scaling, failure, storage_path=storage, run_name=name,
-                             address=address, on_record=on_record, on_event=on_event)
+                             address=address, on_record=on_record, on_event=on_event,
+                             node_metrics_interval_s=_system_interval())
     try:
         result = trainer.fit()
     except BaseException as exc:
@@ -147,6 +151,13 @@ def _tracker(name: str, raw: Mapping[str, Any], scaling):
     tracker.log_dict(dict(raw), "config.json")
     tracker.system_metrics(True)
     return tracker
+
+
+def _system_interval() -> float:
+    """MLflow's sampling interval setting, read here and handed to the workers: their
+    processes do not see the driver's environment."""
+    from mlflow.environment_variables import MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL
+    return float(MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL.get() or 10.0)
 
 
 def _finish_tracking(tracker, job: Job, result) -> None:

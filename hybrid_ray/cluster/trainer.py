@@ -23,7 +23,8 @@ class ElasticTrainer:
                  failure: Optional[FailureConfig] = None, storage_path: str = "./runs",
                  run_name: str = "run", address: Optional[str] = None,
                  on_record: Optional[Callable[[dict], None]] = None,
-                 on_event: Optional[Callable[[str], None]] = None):
+                 on_event: Optional[Callable[[str], None]] = None,
+                 node_metrics_interval_s: Optional[float] = None):
         if not callable(train_fn):
             raise TypeError(f"train_fn must be callable as train_fn(ctx), got {type(train_fn).__name__}")
         self.train_fn = train_fn
@@ -33,12 +34,16 @@ class ElasticTrainer:
         self.storage_path = storage_path if "://" in storage_path else os.path.abspath(storage_path)
         self.run_name, self.address = run_name, address
         self.on_record, self.on_event = on_record, on_event
+        # Seconds between system-metric samples on every node of the group (records
+        # {"system_metrics", "node", "timestamp_ms"} to on_record); None: no sampling.
+        self.node_metrics_interval_s = node_metrics_interval_s
         self.controller: Optional[Controller] = None
 
     def fit(self) -> Result:
         _connect(self.address)
         self.controller = Controller(self.train_fn, self.scaling, self.failure, self.storage_path,
-                                     self.run_name, self.on_record, self.on_event)
+                                     self.run_name, self.on_record, self.on_event,
+                                     self.node_metrics_interval_s)
         return self.controller.run()
 
 

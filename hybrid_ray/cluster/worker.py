@@ -43,6 +43,8 @@ class Worker:
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._result: Any = None
+        self._monitor: Any = None  # hybrid_ray.tracking.system.SystemMonitor of this node
+        self._monitor_label: Optional[str] = None
 
     # ---- identity and rendezvous -----------------------------------------------------
     def info(self) -> Dict[str, Any]:
@@ -120,6 +122,23 @@ class Worker:
 
     def result(self) -> Any:
         return self._result
+
+    def monitor_node(self, label: Optional[str], interval_s: float = 10.0) -> None:
+        """Sample this node's system metrics (MLflow's collectors: CPU, memory, disk, network,
+        GPUs through pynvml) under `system/<label>/` and send them with the records; None stops.
+        The driver asks one worker per node, so a node is sampled once however many it hosts."""
+        if label == self._monitor_label:
+            return
+        if self._monitor is not None:
+            self._monitor.stop()
+            self._monitor = None
+        self._monitor_label = label
+        if label is not None:
+            from hybrid_ray.tracking.system import SystemMonitor
+            self._monitor = SystemMonitor(self._publish_system, interval_s, node_id=label)
+
+    def _publish_system(self, values: Dict[str, float], index: int, ts: int) -> None:
+        self._report({"system_metrics": values, "node": self._monitor_label, "timestamp_ms": ts})
 
 
 def _join(spec: Dict[str, Any]) -> Topology:

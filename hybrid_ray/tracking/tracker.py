@@ -72,6 +72,7 @@ class RunTracker:
         self._seq = 0
         self._last_step = 0
         self._system: Optional[SystemMonitor] = None
+        self._remote_samples: Dict[str, int] = {}  # per source: system samples logged for it
         self._closed: Optional[FlushReport] = None
         self._warned_closed = False
         self._sender = Sender(self.tracking_uri, experiment, run_name, self._staging,
@@ -210,6 +211,15 @@ class RunTracker:
 
     def _publish_system(self, values: Dict[str, float], index: int, ts: int) -> None:
         self._put(ops.SystemMetrics(values, index, ts))
+
+    def log_system_metrics(self, values: Mapping[str, float], source: str,
+                           timestamp_ms: Optional[int] = None) -> None:
+        """System metrics sampled on another host (a worker node), keys already under their
+        own `system/<node>/` prefix. Numbered here, per source, rather than by the sampler: a
+        node's sampler can move to another worker after a loss and would count from 0 again."""
+        index = self._remote_samples[source] = self._remote_samples.get(source, -1) + 1
+        self._put(ops.SystemMetrics({k: float(v) for k, v in values.items()}, index,
+                                    timestamp_ms or _now_ms()))
 
     def close(self, status: str = "FINISHED", timeout_s: float = 30.0) -> FlushReport:
         """End the run with `status` (FINISHED, FAILED or KILLED) after sending what is queued,
