@@ -1,7 +1,10 @@
 """The LM job on Ray recorded in a real MLflow server: one worker killed mid-run leaves exactly
-one run, each step's metrics once and in order, with params, events and artifacts."""
+one run, each step's metrics once and in order, with params, events, artifacts and the worker
+node's system metrics; the server stopped mid-run and restarted loses no metric."""
 from __future__ import annotations
 
+import json
+import logging
 import threading
 import time
 
@@ -19,6 +22,7 @@ STEPS = 16
 def test_killed_worker_leaves_one_mlflow_run_with_every_step_once(ray_session, server, data, tmp_path,
                                                                      monkeypatch):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", server.uri)
+    monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "1")
     raw = job(data, tmp_path / "lm-mlflow", steps=STEPS)
     box = {}
     t = threading.Thread(target=lambda: box.setdefault("code", run_elastic(raw, 1, 2, max_failures=2)))
@@ -57,3 +61,52 @@ def test_killed_worker_leaves_one_mlflow_run_with_every_step_once(ray_session, s
     text = open(events).read()
     assert "worker 1 lost" in text and "recovered: step" in text
     assert client.get_metric_history(run.info.run_id, "recovery_s")[0].value > 0
+    # The driver's host, and the worker node (one sampler per node however many workers it has).
+    keys = set(run.data.metrics)
+    assert "system/cpu_utilization_percentage" in keys
+    node_keys = {k for k in keys if k.startswith("system/") and k.count("/") == 2}
+    nodes = {k.split("/")[1] for k in node_keys}
+    assert len(nodes) == 1 and f"system/{nodes.pop()}/system_memory_usage_megabytes" in node_keys, keys
+
+
+def _steps_logged(out) -> list:
+    path = out / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [r["step"] for r in map(json.loads, path.read_text().splitlines()) if "train_loss" in r]
+
+
+def test_server_down_mid_run_loses_no_metric(ray_session, server, data, tmp_path, monkeypatch, caplog):
+    caplog.set_level(logging.WARNING, logger="hybrid_ray.tracking")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", server.uri)
+    monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "1")
+    out, steps = tmp_path / "lm-outage", 48  # long enough to outlast a server restart
+    raw = job(data, out, steps=steps)
+    raw["train"].update(eval_interval=16, save_interval=16)
+    raw["engine"]["steps_per_print"] = 1  # a train_loss record every step
+    box = {}
+    t = threading.Thread(target=lambda: box.setdefault("code", run_elastic(raw, 2, 2)))
+    t.start()
+    deadline = time.monotonic() + 300
+    while not _steps_logged(out):  # the run is recording
+        assert time.monotonic() < deadline and t.is_alive()
+        time.sleep(0.1)
+    server.kill()
+    down_at = len(_steps_logged(out))
+    while len(_steps_logged(out)) < down_at + 3:  # training goes on while the server is down
+        assert time.monotonic() < deadline and t.is_alive(), "training stalled without MLflow"
+        time.sleep(0.1)
+    server.start()
+    t.join(400)
+    assert box["code"] == 0
+
+    client = MlflowClient(server.uri)
+    exp = client.get_experiment_by_name("hybrid_ray")
+    [run] = client.search_runs([exp.experiment_id], "tags.`hybrid_ray.run_name` = 'lm-outage'")
+    assert run.info.status == "FINISHED"
+    history = sorted(client.get_metric_history(run.info.run_id, "train_loss"), key=lambda m: m.step)
+    assert [m.step for m in history] == _steps_logged(out) == list(range(1, steps + 1))
+    assert client.get_metric_history(run.info.run_id, "final_val_loss")
+    assert any(k.startswith("system/") for k in run.data.metrics)
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warned) == 1 and "unreachable" in warned[0], warned  # the outage was seen, once

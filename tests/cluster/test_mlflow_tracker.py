@@ -60,6 +60,13 @@ class Server:
                 time.sleep(0.25)
         raise RuntimeError("mlflow server did not answer /health in 90 s")
 
+    def kill(self) -> None:
+        """An abrupt outage: SIGKILL, no graceful shutdown (which can take many seconds)."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+        self.proc = None
+
     def stop(self) -> None:
         if self.proc is None or self.proc.poll() is not None:
             return
