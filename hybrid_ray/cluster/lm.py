@@ -109,6 +109,9 @@ def run_elastic(raw: Mapping[str, Any], min_workers: int, max_workers: int,
         if "flops_report" in rec:  # the flops profile of one training step, from rank 0
             tracker.log_text(rec["flops_report"], "reports/flops.txt")
             return
+        if "params" in rec:  # what only the built model knows (its size), from rank 0
+            tracker.log_params(rec["params"])
+            return
         if "system_metrics" in rec:  # a worker node's CPU/memory/disk/network/GPU sample
             tracker.log_system_metrics(rec["system_metrics"], rec["node"], rec["timestamp_ms"])
             return

@@ -177,9 +177,21 @@ def _log_step(run: Run, log: RunLog, step: int, total: int, loss: float, tok_s: 
     engine = run.engine
     norm = engine.get_global_grad_norm()  # None before the first optimizer step
     lr, scale = engine.get_lr()[0], engine.loss_scale
-    log.record(step=step, train_loss=loss, lr=lr, loss_scale=scale, grad_norm=norm, tokens_per_s=tok_s)
+    log.record(step=step, train_loss=loss, lr=lr, loss_scale=scale, grad_norm=norm, tokens_per_s=tok_s,
+               skipped_steps=engine.skipped_steps, **_comm_record(engine))
     log.say(f"step {step:>5}/{total} | loss {loss:.4f} | lr {lr:.2e} | loss scale {scale:g} | "
             f"grad norm {'-' if norm is None else f'{norm:.3f}'} | {tok_s:,.0f} tok/s")
+
+
+def _comm_record(engine) -> dict:
+    """Gradient traffic of this rank's last step (nothing with one rank: nothing is reduced),
+    and the step-time split the driver's compression decisions use where the engine has it."""
+    stats = engine.compression_stats()
+    if not stats.get("bytes_sent"):
+        return {}
+    out = {"grad_bytes_sent": stats["bytes_sent"], "compression_ratio": stats["ratio"]}
+    out.update({k: stats[k] for k in ("step_s", "comm_wait_s", "compress_s") if k in stats})
+    return out
 
 
 def _header(job: Job, run: Run, threads: int, log: RunLog) -> None:
@@ -195,6 +207,8 @@ def _header(job: Job, run: Run, threads: int, log: RunLog) -> None:
             f"{va['tokens']:,} tokens ({len(run.val):,} windows)")
     log.say(f"model:  GPT {m.n_layer} layers, d_model {m.d_model}, {m.n_head} heads, context "
             f"{m.seq_len} tokens: {engine.module.num_params() / 1e6:.2f} M parameters")
+    log.record(params={"model.num_params": engine.module.num_params(),
+                       "engine.precision": cfg.base_dtype, "engine.zero_stage": cfg.zero_optimization.stage})
     sched = cfg.scheduler.type if cfg.scheduler else "constant lr"
     log.say(f"engine: {cfg.base_dtype}, ZeRO stage {cfg.zero_optimization.stage}, "
             f"{cfg.optimizer.type} {cfg.optimizer.params}, {sched}, clip {cfg.gradient_clipping:g}; "

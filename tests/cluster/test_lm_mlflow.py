@@ -52,6 +52,8 @@ def test_killed_worker_leaves_one_mlflow_run_with_every_step_once(ray_session, s
     assert steps == sorted(set(steps)) and steps[-1] == STEPS  # each step once, in order
     assert run.data.params["engine.zero_optimization.stage"] == "1"
     assert run.data.params["scaling.max_workers"] == "2"
+    assert int(run.data.params["model.num_params"]) > 0 and run.data.params["engine.zero_stage"] == "1"
+    assert {"skipped_steps", "grad_bytes_sent", "compression_ratio", "tokens_per_s"} <= set(run.data.metrics)
     assert client.get_metric_history(run.info.run_id, "final_val_loss")
     assert [m.value for m in client.get_metric_history(run.info.run_id, "world_size")][0] == 2
     files = {f.path for f in client.list_artifacts(run.info.run_id)}
