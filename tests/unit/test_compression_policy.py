@@ -1,0 +1,90 @@
+"""The driver's compression policy, without Ray: measure dense, try what is predicted to win,
+settle on the fastest measured setting; fast links stay dense; a new group measures again."""
+from __future__ import annotations
+
+from hybrid_ray.cluster.compression_policy import (DENSE, CompressionPolicy, Interval, candidates,
+                                                   describe)
+
+AUTO = {"type": "auto", "topk_ratio": 0.01, "rank": 4}
+
+
+def feed(policy, setting_id, step_s, comm_s, n=3, steps=10, dense_bytes=4e6):
+    """n intervals of one setting; returns the decisions they caused."""
+    out = []
+    for _ in range(n):
+        d = policy.observe(Interval(setting_id, steps, step_s, comm_s, dense_bytes / 10, dense_bytes))
+        if d is not None:
+            out.append(d)
+    return out
+
+
+def test_candidates_and_names():
+    opts = candidates(AUTO)
+    assert [describe(o) for o in opts] == ["bf16", "topk 0.01", "powersgd rank 4"]
+    assert [describe(o) for o in candidates({**AUTO, "exclude": ["powersgd"]})] == ["bf16", "topk 0.01"]
+    assert describe(DENSE) == "dense"
+
+
+def test_fast_link_stays_dense_without_trying_anything():
+    p = CompressionPolicy(candidates(AUTO))
+    assert p.on_group(2, 40e9) is None
+    [d] = feed(p, 0, step_s=0.160, comm_s=0.006)
+    assert d.setting == DENSE and d.setting_id == 0  # nothing changes on the workers
+    assert "keeping dense" in d.reason and "4%" in d.reason and "40,000.0 MB/s" in d.reason
+    assert p.settled == DENSE and feed(p, 0, 0.1, 0.1) == []  # settled: no more decisions
+
+
+def test_slow_link_tries_best_predicted_first_and_settles_on_fastest_measured():
+    p = CompressionPolicy(candidates(AUTO))
+    p.on_group(2, 2.5e6)
+    # The first interval of a setting is skipped (switch, warm-up); two more are measured.
+    [trial1] = feed(p, 0, step_s=2.0, comm_s=1.6)
+    assert trial1.setting["type"] == "topk" and trial1.setting_id == 1
+    assert "trying topk 0.01" in trial1.reason and "80%" in trial1.reason
+    assert feed(p, 0, 2.0, 1.6) == []  # intervals of the old setting arriving late: ignored
+    [trial2] = feed(p, 1, step_s=0.5, comm_s=0.05)
+    assert trial2.setting["type"] == "powersgd" and trial2.setting_id == 2
+    [trial3] = feed(p, 2, step_s=0.6, comm_s=0.1)
+    assert trial3.setting == {"type": "bf16"} and trial3.setting_id == 3
+    [final] = feed(p, 3, step_s=1.3, comm_s=0.9)
+    assert final.setting["type"] == "topk" and final.setting_id == 4  # a switch back: new id
+    assert "settled on topk 0.01 (4.00x faster than dense)" in final.reason
+    assert "dense 2.000, topk 0.01 0.500, powersgd rank 4 0.600, bf16 1.300" in final.reason
+    assert p.settled["type"] == "topk"
+
+
+def test_compression_that_measures_slower_is_dropped():
+    p = CompressionPolicy([{"type": "topk", "topk_ratio": 0.01}])
+    p.on_group(4, None)
+    [trial] = feed(p, 0, step_s=1.0, comm_s=0.5)
+    assert trial.setting["type"] == "topk"
+    [final] = feed(p, trial.setting_id, step_s=1.2, comm_s=0.1)  # selection costs more than it saves
+    assert final.setting == DENSE and final.setting_id == trial.setting_id + 1
+    assert "settled on dense (no setting beat dense by 5%)" in final.reason
+
+
+def test_nothing_predicted_to_gain_keeps_dense():
+    # bf16 halves a 20% share: predicted 0.9 of the step, but min_gain asks for more.
+    p = CompressionPolicy([{"type": "bf16"}], min_gain=0.2)
+    p.on_group(2, None)
+    [d] = feed(p, 0, step_s=1.0, comm_s=0.2)
+    assert d.setting == DENSE and d.setting_id == 0 and "no setting was predicted to gain" in d.reason
+
+
+def test_new_group_measures_dense_again():
+    p = CompressionPolicy([{"type": "topk", "topk_ratio": 0.01}])
+    p.on_group(2, None)
+    [trial] = feed(p, 0, 2.0, 1.6)
+    [final] = feed(p, trial.setting_id, 0.5, 0.05)
+    assert p.settled["type"] == "topk" and final.setting_id == trial.setting_id
+    back = p.on_group(3, 1e6)  # a worker joined: the link and the shares changed
+    assert back.setting == DENSE and back.setting_id == final.setting_id + 1
+    assert "a group of 3 formed" in back.reason and p.settled is None
+    [again] = feed(p, back.setting_id, 3.0, 2.5)
+    assert again.setting["type"] == "topk"
+
+
+def test_one_worker_reduces_nothing():
+    p = CompressionPolicy(candidates(AUTO))
+    assert p.on_group(1, None) is None and p.settled == DENSE
+    assert feed(p, 0, 1.0, 0.9) == []
