@@ -33,6 +33,12 @@ def load_config(source: ConfigSource) -> Config:
     return cfg
 
 
+def replace_section(cfg: Config, key: str, raw: Any) -> Config:
+    """`cfg` with top-level section `key` replaced by `raw` (JSON-like, as in a config file),
+    validated exactly as load_config validates a whole config (errors name `key.<field>`)."""
+    return load_config({**cfg.to_dict(), key: raw})
+
+
 def read_json(path: Path) -> Any:
     """Parse a JSON file; every failure is a one-line ConfigError that names the file."""
     try:
@@ -75,11 +81,6 @@ def _check_supported(cfg: Config) -> None:
             zero.offload_optimizer.device, "allowed: 'none', 'cpu' (nvme offload is planned)")
     _refuse(zero.offload_param.device != "none", "zero_optimization.offload_param.device",
             zero.offload_param.device, "allowed: 'none' (parameter offload is planned)")
-    gc = cfg.gradient_compression
-    _refuse(gc.type == "powersgd", "gradient_compression.type", gc.type,
-            "allowed: 'none', 'topk', 'fp16', 'bf16' (powersgd is planned)")
-    _refuse(gc.type == "topk" and zero.stage == 3, "gradient_compression.type", gc.type,
-            "allowed at zero_optimization.stage 3: 'none', 'fp16', 'bf16' (topk at stage 3 is planned)")
     _refuse(ac.partition_activations, "activation_checkpointing.partition_activations",
             ac.partition_activations, "allowed: false (partitioning activations across ranks "
             "needs tensor parallelism, which is planned)")

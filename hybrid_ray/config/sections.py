@@ -121,16 +121,20 @@ class CompressionConfig:
 
     type: Literal["none", "topk", "powersgd", "fp16", "bf16"] = "none"
     """Compression method: topk sends each bucket's largest entries as (index, value) pairs;
-    fp16/bf16 reduce in that dtype (the same as communication_data_type); powersgd is planned."""
+    powersgd sends rank-`rank` factors of each weight matrix (small and 1-D tensors densely);
+    fp16/bf16 reduce in that dtype (the same as communication_data_type). Engines switch it
+    between steps with `Engine.set_gradient_compression`."""
     topk_ratio: float = checked(0.01, gt=0, le=1)
     """topk: fraction of each bucket's gradient elements sent per reduction."""
     rank: int = checked(1, ge=1)
-    """powersgd: rank of the low-rank approximation."""
+    """powersgd: rank of the low-rank approximation (capped per matrix at min(rows, cols))."""
     warmup_steps: int = checked(0, ge=0)
     """topk: optimizer steps over which the density falls exponentially from 1.0 to topk_ratio
-    (Deep Gradient Compression's warm-up); 0: topk_ratio from the first step."""
+    (Deep Gradient Compression's warm-up); powersgd: optimizer steps reduced densely first
+    (torch's start_powerSGD_iter); 0: compress from the first step."""
     error_feedback: bool = True
-    """topk: carry the unsent remainder (fp32, per rank and bucket) into the next reduction."""
+    """topk, powersgd: carry the unsent remainder (fp32, per rank and bucket) into the next
+    reduction."""
 
 
 @dataclass(frozen=True)

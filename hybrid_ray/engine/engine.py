@@ -15,15 +15,18 @@ gathers parameters back, loss_scaler.py scales fp16 losses.
 from __future__ import annotations
 
 import logging
-from typing import Any, List, Optional
+import time
+from typing import Any, List, Mapping, Optional, Union
 
 import torch
 import torch.nn as nn
 
 from ..config import Config, load_config
+from ..config.api import replace_section
+from ..config.loader import to_plain
 from . import build, relayout, stage3
 from .checkpointing import apply_activation_checkpointing
-from .compression import TopK
+from .compression import reduction_setup
 from .loss_scaler import LossScaler, NoLossScaler, build_loss_scaler
 from .offload import HostOffload
 from .precision import HALF, PrecisionPolicy, autocast_region, cast_floating, dtype_of
@@ -56,6 +59,8 @@ class Engine:
         self.global_samples = 0
         self._consecutive_skips = 0
         self._last: Optional[StepOutcome] = None
+        self._window_open = False  # a backward since the last optimizer step
+        self._window_t0: Optional[float] = None  # perf_counter at the window's first forward
         # Set by initialize(training_data=...) or by the caller: a loader (or its sampler) with
         # state_dict()/load_state_dict() has its data position saved in checkpoints.
         self.training_dataloader: Any = None
@@ -98,14 +103,11 @@ class Engine:
             self.spaces = build.build_spaces(groups, topo.device, zc.reduce_bucket_size, num_shards, topo.rank)
         if broadcast:
             build.broadcast_state(self.spaces, self.module, topo)
-        gc, comm_dtype = self.config.gradient_compression, self.config.communication_data_type
-        # fp16/bf16 compression is a half-precision reduction (the config refuses a contradiction).
-        reduce_dtype = dtype_of(gc.type if gc.type in ("fp16", "bf16") else comm_dtype or "fp32")
-        topk = TopK(gc.topk_ratio, gc.warmup_steps, gc.error_feedback) if gc.type == "topk" else None
+        reduce_dtype, compressor, dense_dtype = reduction_setup(self.config)
         offload = HostOffload.from_config(zc.offload_optimizer, topo.device)  # None unless device: cpu
         self.reducer = GradReducer(self.spaces, topo, min(zc.stage, 2), reduce_dtype, zc.overlap_comm,
                                    zc.reduce_scatter, offload, max_inflight=2 if partition_params else None,
-                                   topk=topk, dense_dtype=dtype_of(comm_dtype or "fp32"))
+                                   compressor=compressor, dense_dtype=dense_dtype)
         self.zero = ZeroOptimizer(self.spaces, self.reducer, topo)
         self.stage3: Optional[stage3.Stage3Controller] = None
         if partition_params:  # after the masters are built from the whole parameters
@@ -188,6 +190,8 @@ class Engine:
         if self.config.fp16.auto_cast and self.compute_dtype == torch.float16:
             args, kwargs = cast_floating(args, torch.float16), cast_floating(kwargs, torch.float16)
         self.flops_profiler.before_forward(self.global_steps, args, kwargs)
+        if self._window_t0 is None and torch.is_grad_enabled():
+            self._window_t0 = time.perf_counter()
         if self.stage3 is not None:
             self.stage3.before_forward()
         with autocast_region(self.topology.device.type, self.compute_dtype):
@@ -218,6 +222,9 @@ class Engine:
         self.flops_profiler.before_backward()
         if self.micro_steps % gas == 0:
             self.reducer.start_window()
+        self._window_open = True
+        if self._window_t0 is None:
+            self._window_t0 = time.perf_counter()
         self.reducer.before_backward(self.is_gradient_accumulation_boundary())
         if self.stage3 is not None:
             self.stage3.before_backward()
@@ -239,6 +246,10 @@ class Engine:
         self.reducer.finish_window()
         self._last = self.zero.step(self._scaler.loss_scale, self.config.gradient_clipping)
         self._after_step(self._last)
+        self._window_open = False
+        if self._window_t0 is not None:
+            self.reducer.stats.record_step_time(time.perf_counter() - self._window_t0)
+            self._window_t0 = None
         self.global_steps += 1
         self._apply_schedule()
 
@@ -353,9 +364,35 @@ class Engine:
 
     def compression_stats(self) -> dict:
         """Gradient bytes this rank sent in the last optimizer step against the uncompressed
-        reduction: {"bytes_sent", "dense_bytes", "ratio", "total_bytes_sent",
-        "total_dense_bytes", "steps"} (all zero with one rank: nothing is reduced)."""
+        reduction, and how that step's time split: {"bytes_sent", "dense_bytes", "ratio",
+        "total_bytes_sent", "total_dense_bytes", "steps", "step_s", "comm_wait_s",
+        "compress_s"} (bytes zero with one rank: nothing is reduced). step_s: wall time from the
+        window's first forward to the end of its step; comm_wait_s: time blocked on gradient
+        collectives (exposed communication); compress_s: compression time (compression.CommStats)."""
         return self.reducer.stats.summary()
+
+    @property
+    def gradient_compression(self) -> dict:
+        """The current `gradient_compression` setting, as a dict like the config section."""
+        return to_plain(self.config.gradient_compression)
+
+    def set_gradient_compression(self, spec: Union[None, str, Mapping[str, Any]]) -> None:
+        """Switch gradient compression between optimizer steps: `spec` is a dict like the config
+        section (it replaces the whole section), a type name, or None/"none" for dense.
+
+        Validated as the config is (ConfigError naming `gradient_compression.<key>`). Not a
+        collective, but every rank must call it at the same step. Error-feedback residuals of
+        the old method are added into the next reduction of their bucket, so nothing is lost.
+        """
+        if self._window_open or self.micro_steps % self.batch.gradient_accumulation_steps:
+            raise RuntimeError("set_gradient_compression: called inside a gradient accumulation "
+                               "window; call it between optimizer steps (after engine.step() at "
+                               "the accumulation boundary, before the next backward)")
+        raw = {"type": "none"} if spec is None else {"type": spec} if isinstance(spec, str) else spec
+        old = self.gradient_compression
+        self.config = replace_section(self.config, "gradient_compression", raw)
+        self.reducer.set_compression(*reduction_setup(self.config))
+        self._log(f"step {self.global_steps}: gradient_compression {old} -> {self.gradient_compression}")
 
     def memory_breakdown(self) -> dict:
         """Bytes held by this rank for parameters, gradients, masters and optimizer state."""

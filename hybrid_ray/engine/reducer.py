@@ -17,8 +17,10 @@ A bucket's first reduction in a window overwrites its slice of the master gradie
 (stage 2's further micro-batches) add to it, so the master gradient is never zeroed.
 
 With `gradient_compression: topk` (compression.py) a bucket is exchanged as the (index, value)
-pairs of its largest entries instead of reduced densely; the sum lands in the master gradient
-the same way, so everything after the reduction is unchanged.
+pairs of its largest entries, with `powersgd` (powersgd.py) as low-rank factors, instead of
+reduced densely; the sum lands in the master gradient the same way, so everything after the
+reduction is unchanged. `set_compression` switches the method between optimizer steps: the old
+method's error-feedback residuals are carried and added into each bucket's next reduction.
 
 With optimizer offload (offload.py) the master gradient is a persistent host buffer: a reduced
 bucket lands there through the offload's side-stream copy as soon as its collective finishes,
@@ -27,13 +29,13 @@ and with one rank the buckets are streamed to the host from the same hooks (noth
 from __future__ import annotations
 
 import weakref
-from typing import Callable, Dict, List, Optional, Set
+from typing import Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 import torch.distributed as dist
 
 from . import comm
-from .compression import CommStats, TopK
+from .compression import BucketKey, CommStats, ErrorFeedback, StepTimer
 from .flat import Bucket, FlatSpace
 from .offload import HostOffload
 from .topology import Topology
@@ -55,6 +57,14 @@ class SpaceGrads:
             self.flat_grad = torch.zeros(space.numel, dtype=space.dtype, device=space.device)
         self.pending: Dict[int, int] = {}
         self.shard_offset = {b.index: off for b, _, _, off in space.shard_slices()}
+        self._layouts: Dict[int, List[Tuple[int, torch.Size]]] = {}
+
+    def layout(self, bucket: Bucket) -> List[Tuple[int, torch.Size]]:
+        """(bucket-relative offset, shape) of each parameter: how powersgd finds matrices."""
+        if bucket.index not in self._layouts:  # shapes from the space: stage 3 empties .data
+            self._layouts[bucket.index] = [(off - bucket.start, self.space.shapes[id(p)])
+                                           for p, off in zip(bucket.params, bucket.offsets)]
+        return self._layouts[bucket.index]
 
     def attach_grad_views(self) -> None:
         """Point every parameter's .grad at its slice of the flat buffer (stages 0/1)."""
@@ -110,18 +120,15 @@ class GradReducer:
     def __init__(self, spaces: List[FlatSpace], topo: Topology, stage: int,
                  reduce_dtype: torch.dtype, overlap: bool, use_reduce_scatter: bool,
                  offload: Optional[HostOffload] = None, max_inflight: Optional[int] = None,
-                 topk: Optional[TopK] = None, dense_dtype: Optional[torch.dtype] = None):
+                 compressor: Optional[ErrorFeedback] = None, dense_dtype: Optional[torch.dtype] = None):
         self.topo, self.stage, self.offload = topo, stage, offload
-        self.topk = topk  # sparse exchange of each bucket (stages 0-2); values travel in fp32
         self.stats = CommStats()
-        # What a reduction would carry uncompressed: the baseline of stats' ratio.
-        self.dense_itemsize = (dense_dtype or reduce_dtype).itemsize
+        self.timer = StepTimer(topo.device)  # exposed waits and compression time per step
         # A collective holds its input (the packed bucket) until someone waits on it. Stage 3
         # packs one whole unit per bucket, so keeping every reduction of a backward in flight
         # holds all units' packed gradients at once; finishing the oldest beyond this many (as
         # FSDP2 does with one) bounds that. None: wait only at the end of backward.
         self.max_inflight = max_inflight
-        self.reduce_dtype = reduce_dtype
         self.distributed = topo.world_size > 1
         self.partitioned_grads = stage >= 2 and self.distributed
         self.sharded = stage >= 1 and self.distributed  # masters differ between ranks
@@ -129,15 +136,40 @@ class GradReducer:
         self.streams = self.distributed or offload is not None
         self.overlap = overlap and self.streams
         self.use_reduce_scatter = use_reduce_scatter
-        # Half-precision sums over many ranks can overflow: divide before reducing. fp32 sums
-        # are divided after, folded into the single unscale multiply of the step.
-        self.predivide = self.distributed and reduce_dtype != torch.float32 and topk is None
+        # Residuals of a compressor switched away from, added into each bucket's next reduction.
+        self.carry: Dict[BucketKey, torch.Tensor] = {}
+        self.compressor: Optional[ErrorFeedback] = None
+        self.set_compression(reduce_dtype, compressor, dense_dtype)
         self.grads = [SpaceGrads(s, not self.partitioned_grads, i, offload) for i, s in enumerate(spaces)]
         self._armed = False
         self._inflight: List[Callable[[], None]] = []
         self._hooks = []
         if self.overlap:
             self._register_hooks()
+
+    def set_compression(self, reduce_dtype: torch.dtype, compressor: Optional[ErrorFeedback],
+                        dense_dtype: Optional[torch.dtype] = None) -> None:
+        """Use this reduction from the next window on (between optimizer steps only).
+
+        compressor: a topk/powersgd exchange of each bucket (values travel in fp32), or None
+        for a dense reduction in `reduce_dtype`. The previous compressor's residuals move to
+        `carry`, so what it held back is still sent, by whichever method comes next.
+        """
+        old = self.compressor
+        if old is not None:
+            for key, r in old.residuals.items():
+                prev = self.carry.get(key)
+                self.carry[key] = r if prev is None else prev.add_(r)
+            old.residuals.clear()
+        self.compressor = compressor
+        if compressor is not None:
+            compressor.timer = self.timer
+        self.reduce_dtype = reduce_dtype
+        # What a reduction would carry uncompressed: the baseline of stats' ratio.
+        self.dense_itemsize = (dense_dtype or reduce_dtype).itemsize
+        # Half-precision sums over many ranks can overflow: divide before reducing. fp32 sums
+        # are divided after, folded into the single unscale multiply of the step.
+        self.predivide = self.distributed and reduce_dtype != torch.float32 and compressor is None
 
     # ---- per-window bookkeeping -------------------------------------------------------
     def start_window(self) -> None:
@@ -210,10 +242,10 @@ class GradReducer:
         # One rank (offload only): widened to fp32 on the device, the copy lands directly in the
         # host master gradient (a host-side widen costs more than the extra bytes, which
         # travel while backward runs).
-        if self.topk is not None and self.distributed:
-            self._launch_sparse(g, b)
+        if self.compressor is not None and self.distributed:
+            self._launch_compressed(g, b)
             return
-        data = g.bucket_input(b, self.reduce_dtype if self.distributed else torch.float32)
+        data = self._with_carry(g, b, g.bucket_input(b, self.reduce_dtype if self.distributed else torch.float32))
         if self.distributed:
             self.stats.add(data.numel() * data.element_size(), b.numel * self.dense_itemsize)
         if self.predivide:
@@ -236,20 +268,33 @@ class GradReducer:
             lo = self.topo.rank * out.numel()
             result = data[lo:lo + out.numel()]
         if result.device != out.device:  # offloaded to the host: copy on the side stream now
-            self._inflight.append(self.offload.land(work, result, out, accumulate, data))
+            land = self.offload.land(work, result, out, accumulate, data)
+            self._inflight.append(lambda: self._host_wait(land))
         else:
             self._track(lambda: self._finish(work, result, out, accumulate))
 
-    def _launch_sparse(self, g: SpaceGrads, b: Bucket) -> None:
-        """Top-k: all_gather this rank's (index, value) pairs, sum those of its own slice."""
-        data = g.bucket_input(b, torch.float32)
+    def _launch_compressed(self, g: SpaceGrads, b: Bucket) -> None:
+        """Top-k or PowerSGD: the compressor exchanges the bucket and sums this rank's slice."""
+        data = self._with_carry(g, b, g.bucket_input(b, torch.float32))
         out = g.master_slice(b)
         accumulate = g.mark_landed(b)
         lo, hi = b.shard_range(g.space.rank, g.space.num_shards)
-        sent, finish = self.topk.exchange((g.index, b.index), data, lo - b.start, hi - b.start,
-                                          self.topo.group)
+        sent, finish = self.compressor.exchange((g.index, b.index), data, lo - b.start, hi - b.start,
+                                                self.topo.group, g.layout(b))
         self.stats.add(sent, b.numel * self.dense_itemsize)
         self._track(lambda: self._finish(None, finish(), out, accumulate))
+
+    def _with_carry(self, g: SpaceGrads, b: Bucket, data: torch.Tensor) -> torch.Tensor:
+        """The bucket's gradients plus any residual carried over from a switched-away method
+        (a new tensor: `data` may be the flat gradient buffer itself)."""
+        carried = self.carry.pop((g.index, b.index), None)
+        if carried is None:
+            return data
+        return (data.float() + carried).to(data.dtype)
+
+    def _host_wait(self, land: Callable[[], None]) -> None:
+        with self.timer.span("comm_wait", host=True):  # blocks the host on every device
+            land()
 
     def _track(self, finish: Callable[[], None]) -> None:
         self._inflight.append(finish)
@@ -257,16 +302,20 @@ class GradReducer:
             self._inflight.pop(0)()
 
     def end_step(self, overflow: bool, scale_ratio: float) -> None:
-        """After an optimizer step: close the step's byte count; keep top-k residuals consistent."""
-        self.stats.end_step()
-        if self.topk is not None:
-            self.topk.on_step(overflow, scale_ratio)
+        """After an optimizer step: close the step's bytes and times; keep residuals (the
+        compressor's and any carried ones) in the new loss scale, drop them after an overflow."""
+        self.stats.end_step(self.timer.collect())
+        if self.compressor is not None:
+            self.compressor.on_step(overflow, scale_ratio)
+        if overflow:
+            self.carry.clear()
+        elif scale_ratio != 1.0:
+            for r in self.carry.values():
+                r.mul_(scale_ratio)
 
-    @staticmethod
-    def _finish(work: Optional[dist.Work], result: torch.Tensor, out: torch.Tensor,
+    def _finish(self, work: Optional[dist.Work], result: torch.Tensor, out: torch.Tensor,
                 accumulate: bool) -> None:
-        if work is not None:
-            work.wait()
+        self.timer.wait(work)
         if result is out:
             return
         if accumulate:

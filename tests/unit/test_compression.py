@@ -1,11 +1,20 @@
-"""Gradient compression without a process group: config, top-k selection, error feedback, warm-up."""
+"""Gradient compression without a process group: config, top-k selection, error feedback,
+warm-up, PowerSGD's matricisation, the step-time split, runtime switching on one rank."""
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
+import torch.nn as nn
 
 from hybrid_ray.config import ConfigError, load_config
-from hybrid_ray.engine.compression import CommStats, TopK
+from hybrid_ray.engine.comm import probe_bandwidth
+from hybrid_ray.engine.compression import CommStats, StepTimer, TopK
+from hybrid_ray.engine.engine import Engine
+from hybrid_ray.engine.powersgd import PowerSGD, _Plan
+from hybrid_ray.engine.reducer import GradReducer
+from hybrid_ray.engine.topology import Topology
 
 
 def error_of(raw: dict) -> str:
@@ -14,10 +23,12 @@ def error_of(raw: dict) -> str:
     return str(info.value)
 
 
-@pytest.mark.parametrize("kind", ["none", "topk", "fp16", "bf16"])
-def test_supported_types_load(kind):
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("kind", ["none", "topk", "powersgd", "fp16", "bf16"])
+def test_supported_types_load(kind, stage):
     cfg = load_config({"gradient_compression": {"type": kind, "topk_ratio": 0.1, "warmup_steps": 5,
-                                                "error_feedback": False}})
+                                                "rank": 4, "error_feedback": False},
+                       "zero_optimization": {"stage": stage}})
     assert cfg.gradient_compression.type == kind
 
 
@@ -25,6 +36,7 @@ def test_supported_types_load(kind):
     ({"gradient_compression": {"type": "gzip"}}, "gradient_compression.type: "),
     ({"gradient_compression": {"topk_ratio": 0}}, "gradient_compression.topk_ratio: out of range; got 0"),
     ({"gradient_compression": {"warmup_steps": -1}}, "gradient_compression.warmup_steps: out of range"),
+    ({"gradient_compression": {"type": "powersgd", "rank": 0}}, "gradient_compression.rank: out of range"),
     ({"gradient_compression": {"error_feedbak": True}},
      "gradient_compression.error_feedbak: unknown key; did you mean 'error_feedback'?"),
     ({"gradient_compression": {"type": "fp16"}, "communication_data_type": "bf16"},
@@ -100,3 +112,152 @@ def test_stats_report_the_last_step():
     assert stats.summary()["ratio"] == 40 and stats.summary()["bytes_sent"] == 20
     stats.end_step()
     assert stats.summary()["ratio"] == 1.0 and stats.summary()["total_bytes_sent"] == 20
+
+
+def test_stats_report_the_step_time_split():
+    stats = CommStats()
+    stats.end_step({"comm_wait": 0.25, "compress": 0.5})
+    stats.record_step_time(2.0)
+    summary = stats.summary()
+    assert (summary["step_s"], summary["comm_wait_s"], summary["compress_s"]) == (2.0, 0.25, 0.5)
+
+
+def test_step_timer_accumulates_per_kind_and_resets():
+    timer = StepTimer(torch.device("cpu"))
+    for _ in range(2):
+        with timer.span("compress"):
+            sum(range(1000))
+    first = timer.collect()
+    assert set(first) == {"compress"} and first["compress"] > 0
+    assert timer.collect() == {}
+
+
+# ---- PowerSGD ---------------------------------------------------------------------------
+
+def test_powersgd_plan_compresses_matrices_and_keeps_small_and_1d_tensors_dense():
+    layout = [(0, torch.Size([64, 32])),      # 2048 values, rank 4: 384 values of factors
+              (2048, torch.Size([64])),        # a bias: dense
+              (2112, torch.Size([4, 3])),      # factors would not halve it: dense
+              (2124, torch.Size([16, 2, 3, 3]))]  # a conv: 16 x 18, compressed
+    plan = _Plan(layout, 4, 0, 2412, torch.device("cpu"), 2.0)
+    assert [(m.offset, m.rows, m.cols, m.rank) for m in plan.mats] == [(0, 64, 32, 4), (2124, 16, 18, 4)]
+    assert plan.dense_index.tolist() == list(range(2048, 2124))
+    assert plan.p_numel == (64 + 16) * 4 and plan.q_numel == (32 + 18) * 4
+    # A slice [2100, 2412) keeps the dense entries from 2100 on, at their place in the slice.
+    part = _Plan(layout, 4, 2100, 2412, torch.device("cpu"), 2.0)
+    assert part.dense_out.tolist() == list(range(0, 24))
+    assert part.dense_mine.tolist() == list(range(52, 76))
+
+
+def test_powersgd_rank_is_capped_per_matrix_and_full_rank_is_dense_by_default():
+    assert _Plan([(0, torch.Size([8, 64]))], 16, 0, 512, torch.device("cpu"), 2.0).mats == []
+    plan = _Plan([(0, torch.Size([8, 64]))], 16, 0, 512, torch.device("cpu"), 0.0)
+    assert plan.mats[0].rank == 8
+
+
+def test_powersgd_decompress_forms_only_the_rows_of_the_slice():
+    torch.manual_seed(0)
+    layout = [(0, torch.Size([6, 5]))]
+    phat, q = torch.linalg.qr(torch.randn(6, 2)).Q, torch.randn(5, 2)
+    whole = (phat @ q.t()).reshape(-1)
+    plan = _Plan(layout, 2, 7, 23, torch.device("cpu"), 0.0)
+    out = PowerSGD._decompress(plan, torch.empty(0), [phat], [q], 7, 23)
+    torch.testing.assert_close(out, whole[7:23])
+
+
+def test_powersgd_residual_follows_loss_scale_and_overflow_drops_residual_and_q():
+    psgd = PowerSGD(2)
+    psgd.residuals[(0, 0)] = torch.tensor([4.0, 2.0])
+    psgd._q[((0, 0), 0)] = torch.ones(3, 2)
+    psgd.on_step(False, 0.5)
+    assert torch.equal(psgd.residuals[(0, 0)], torch.tensor([2.0, 1.0])) and psgd._q
+    psgd.on_step(True, 0.5)
+    assert psgd.residuals == {} and psgd._q == {} and psgd.step == 2
+
+
+def test_powersgd_initial_q_is_the_same_on_every_rank():
+    from hybrid_ray.engine.powersgd import _Matrix
+    mat = _Matrix(0, 6, 5, 2)
+    a = PowerSGD(2)._initial_q((1, 2), 0, mat, torch.device("cpu"))
+    b = PowerSGD(2)._initial_q((1, 2), 0, mat, torch.device("cpu"))
+    assert torch.equal(a, b) and a.shape == (5, 2)
+    assert not torch.equal(a, PowerSGD(2)._initial_q((1, 3), 0, mat, torch.device("cpu")))
+
+
+# ---- switching and residual carry -------------------------------------------------------
+
+def test_reducer_carries_residuals_of_a_switched_away_compressor():
+    reducer = GradReducer([], Topology(0, 1, torch.device("cpu")), 1, torch.float32, False, True,
+                             compressor=TopK(0.5))
+    reducer.compressor.residuals[(0, 1)] = torch.tensor([1.0, 2.0])
+    reducer.set_compression(torch.float32, PowerSGD(2))
+    assert torch.equal(reducer.carry[(0, 1)], torch.tensor([1.0, 2.0]))
+    reducer.end_step(False, 2.0)  # carried residuals follow the loss scale too
+    assert torch.equal(reducer.carry[(0, 1)], torch.tensor([2.0, 4.0]))
+    reducer.end_step(True, 0.5)
+    assert reducer.carry == {}
+
+
+def small_engine(gas: int = 2, **extra) -> Engine:
+    torch.manual_seed(0)
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": gas,
+           "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, **extra}
+    return Engine(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)), cfg,
+                  topology=Topology(0, 1, torch.device("cpu")))
+
+
+def micro_step(engine: Engine) -> None:
+    engine.backward(engine(torch.randn(2, 4)).square().mean())
+    engine.step()
+
+
+def test_set_gradient_compression_validates_like_the_config():
+    engine = small_engine()
+    with pytest.raises(ConfigError) as info:
+        engine.set_gradient_compression({"type": "topk", "topk_ratio": 2})
+    assert str(info.value).startswith("gradient_compression.topk_ratio: out of range; got 2")
+    with pytest.raises(ConfigError, match=r"^gradient_compression.rnak: unknown key; did you mean 'rank'"):
+        engine.set_gradient_compression({"type": "powersgd", "rnak": 2})
+    with pytest.raises(ConfigError, match=r"^gradient_compression.type: "):
+        engine.set_gradient_compression("gzip")
+    with pytest.raises(ConfigError, match=r"^gradient_compression: expected an object"):
+        engine.set_gradient_compression(3)
+    assert engine.gradient_compression["type"] == "none"  # a refused spec changes nothing
+
+
+def test_set_gradient_compression_switches_between_steps_only():
+    engine = small_engine()
+    engine.set_gradient_compression({"type": "powersgd", "rank": 2, "warmup_steps": 1})
+    assert engine.gradient_compression == {"type": "powersgd", "topk_ratio": 0.01, "rank": 2,
+                                           "warmup_steps": 1, "error_feedback": True}
+    assert engine.config.gradient_compression.rank == 2
+    micro_step(engine)
+    with pytest.raises(RuntimeError, match="inside a gradient accumulation window"):
+        engine.set_gradient_compression(None)
+    micro_step(engine)
+    engine.set_gradient_compression("none")
+    assert engine.gradient_compression["type"] == "none" and engine.reducer.compressor is None
+    engine.backward(engine(torch.randn(2, 4)).square().mean())  # a backward opens the window
+    with pytest.raises(RuntimeError, match="between optimizer steps"):
+        engine.set_gradient_compression("topk")
+
+
+def test_half_precision_switch_sets_the_reduction_dtype():
+    engine = small_engine(gas=1)
+    engine.set_gradient_compression({"type": "bf16"})
+    assert engine.reducer.reduce_dtype == torch.bfloat16
+    engine.set_gradient_compression(None)
+    assert engine.reducer.reduce_dtype == torch.float32
+
+
+def test_compression_stats_time_the_step_window_on_one_rank():
+    engine = small_engine()
+    micro_step(engine)
+    micro_step(engine)
+    stats = engine.compression_stats()
+    assert stats["step_s"] > 0 and stats["comm_wait_s"] == 0 and stats["compress_s"] == 0
+    assert stats["bytes_sent"] == 0  # one rank: nothing is reduced
+
+
+def test_probe_bandwidth_without_a_group_is_infinite():
+    assert probe_bandwidth() == math.inf
