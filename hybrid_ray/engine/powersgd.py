@@ -126,7 +126,8 @@ class PowerSGD(ErrorFeedback):
             residual = self.residuals.pop(key, None)
             if residual is not None:
                 acc.add_(residual)
-        plan = None if layout is None or self.step < self.warmup_steps else self._plan(key, layout, lo, hi, acc.device)
+        dense = layout is None or self.step < self.warmup_steps
+        plan = None if dense else self._plan(key, layout, lo, hi, acc.device)
         if plan is None or not plan.mats:
             return self._dense(acc, lo, hi, group)
         with self.timer.span("compress"):

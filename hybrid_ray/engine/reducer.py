@@ -245,7 +245,8 @@ class GradReducer:
         if self.compressor is not None and self.distributed:
             self._launch_compressed(g, b)
             return
-        data = self._with_carry(g, b, g.bucket_input(b, self.reduce_dtype if self.distributed else torch.float32))
+        dtype = self.reduce_dtype if self.distributed else torch.float32
+        data = self._with_carry(g, b, g.bucket_input(b, dtype))
         if self.distributed:
             self.stats.add(data.numel() * data.element_size(), b.numel * self.dense_itemsize)
         if self.predivide:

@@ -220,7 +220,8 @@ SWITCHES = {2: {"type": "topk", "topk_ratio": 0.05}, 4: {"type": "powersgd", "ra
 SWITCH_STEPS, SWITCH_LR = 9, 0.1
 
 
-def true_grads(ref: nn.Module, params: List[torch.Tensor], step: int, rank: int, gas: int) -> List[torch.Tensor]:
+def true_grads(ref: nn.Module, params: List[torch.Tensor], step: int, rank: int,
+               gas: int) -> List[torch.Tensor]:
     """This rank's gradient for one window at `params`, computed by plain torch."""
     with torch.no_grad():
         for p, value in zip(ref.parameters(), params):
