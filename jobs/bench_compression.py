@@ -254,7 +254,8 @@ def summarize(args, link_info: dict, ranks: List[dict]) -> dict:
     out = {"command": "python jobs/bench_compression.py " + " ".join(args.argv),
            "link": dict(link_info, measured=r0["bandwidth"]), "machine": r0["machine"],
            "model": r0["model"], "zero_stage": args.stage, "dtype": r0["dtype"],
-           "warmup_steps": args.warmup, "timed_steps": args.steps, "settings": {}}
+           "warmup_steps": args.warmup, "timed_steps": args.steps, "rounds": args.rounds,
+           "settings": {}}
     for name in r0["settings"]:
         recs = [r["settings"][name] for r in ranks]
         if not recs[0]["available"]:
@@ -266,6 +267,7 @@ def summarize(args, link_info: dict, ranks: List[dict]) -> dict:
              "step_s_median": _median(per_step), "step_s": per_step,
              "bytes_sent_per_step": max(r["bytes_sent"] for r in recs),
              "dense_bytes_per_step": max(r["dense_bytes"] for r in recs),
+             "round_medians": [max(ms) for ms in zip(*(r["round_medians"] for r in recs))],
              "wire_tx_bytes_per_step": None, "final_loss": recs[0]["losses"][-1],
              "losses_rank0": recs[0]["losses"]}
         s["compression_ratio"] = s["dense_bytes_per_step"] / s["bytes_sent_per_step"] \
@@ -297,20 +299,25 @@ def format_table(res: dict) -> str:
              f" ({bw['bytes'] / 1e6:.2f} MB in {bw['seconds']:.4f} s)",
              f"model: GPT {m['n_layer']} layers, d {m['d_model']}, vocab {m['vocab_size']}, seq "
              f"{m['seq_len']}, micro-batch {m['micro_batch']}, {m['params'] / 1e6:.2f}M params; "
-             f"ZeRO-{res['zero_stage']}, {res['dtype']}, {res['warmup_steps']} warm-up + "
-             f"{res['timed_steps']} timed steps; {res['machine']['summary']}",
+             f"ZeRO-{res['zero_stage']}, {res['dtype']}; {res['rounds']} round(s) of "
+             f"{res['warmup_steps']} warm-up + {res['timed_steps']} timed steps per setting; "
+             f"{res['machine']['summary']}; load average {res['load_before']:.2f} before, "
+             f"{res['load_after']:.2f} after",
              "",
-             "| setting | s/step (median) | speed-up vs dense | grad bytes sent/step/rank | compression "
-             "| wire bytes/step/rank | exposed comm wait s | final loss |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| setting | s/step (median) | round medians | speed-up vs dense | grad bytes sent/step/rank | compression "
+             "| wire bytes/step/rank | exposed comm wait s | compress s | final loss |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for name, s in res["settings"].items():
         if not s["available"]:
-            lines.append(f"| {name} | not available | - | - | - | - | - | - |")
+            lines.append(f"| {name} | not available | - | - | - | - | - | - | - | - |")
             continue
-        wait, ratio, up = s.get("engine_comm_wait_s_median"), s["compression_ratio"], s["speedup_vs_dense"]
-        cells = [name, f"{s['step_s_median']:.3f}", "-" if up is None else f"{up:.2f}x",
+        ratio, up = s["compression_ratio"], s["speedup_vs_dense"]
+        wait, comp = s.get("engine_comm_wait_s_median"), s.get("engine_compress_s_median")
+        cells = [name, f"{s['step_s_median']:.3f}", "/".join(f"{x:.3f}" for x in s["round_medians"]),
+                 "-" if up is None else f"{up:.2f}x",
                  _mb(s["bytes_sent_per_step"]), "-" if ratio is None else f"{ratio:.1f}x",
                  _mb(s["wire_tx_bytes_per_step"]), "-" if wait is None else f"{wait:.3f}",
+                 "-" if comp is None else f"{comp:.3f}",
                  f"{s['final_loss']:.4f}"]
         lines.append("| " + " | ".join(cells) + " |")
     for name, s in res["settings"].items():
@@ -346,19 +353,19 @@ def drive(args) -> None:
                 "model": {"n_layer": args.layers, "n_head": args.heads, "d_model": args.dim,
                           "vocab_size": args.vocab, "seq_len": args.seq},
                 "micro_batch": args.micro_batch, "seed": args.seed, "warmup": args.warmup,
-                "steps": args.steps, "settings": configs, "bucket": args.reduce_bucket_size,
+                "steps": args.steps, "rounds": args.rounds, "settings": configs, "bucket": args.reduce_bucket_size,
                 "bw_cap_bytes": args.bw_max_mb * 1_000_000, "outdir": workdir}
         spec_path = os.path.join(workdir, "spec.json")
         with open(spec_path, "w") as f:
             json.dump(spec, f)
-        t0 = time.monotonic()
+        t0, load0 = time.monotonic(), os.getloadavg()[0]
         launch(args, link, spec_path, workdir)
         ranks = []
         for r in range(WORLD):
             with open(os.path.join(workdir, f"rank{r}.json")) as f:
                 ranks.append(json.load(f))
         res = summarize(args, link.describe(), ranks)
-        res["wall_s"] = time.monotonic() - t0
+        res.update(wall_s=time.monotonic() - t0, load_before=load0, load_after=os.getloadavg()[0])
     finally:
         cleanup()
         signal.signal(signal.SIGTERM, old_term)
@@ -496,14 +503,28 @@ def worker(spec_path: str) -> None:
                        "platform": platform.platform()},
            "model": dict(spec["model"], micro_batch=spec["micro_batch"], params=params),
            "dtype": spec["dtype"], "bandwidth": bw, "settings": {}}
-    for name, gc in spec["settings"].items():
-        rec = run_setting(spec, gc, topo)
-        res["settings"][name] = rec
-        if rec["available"]:
-            say(f"{name}: median {statistics.median(rec['step_s']):.3f} s/step, "
+    # Rounds interleave the settings, so a neighbour's load on the shared cores hits them alike.
+    for rnd in range(spec["rounds"]):
+        for name, gc in spec["settings"].items():
+            rec = run_setting(spec, gc, topo)
+            prev = res["settings"].setdefault(name, rec)
+            if not rec["available"]:
+                if rnd == 0:
+                    say(f"{name}: not available ({rec['reason']})")
+                continue
+            med = statistics.median(rec["step_s"])
+            if prev is rec:
+                rec["round_medians"] = [med]
+            else:
+                prev["step_s"] += rec["step_s"]
+                prev["round_medians"].append(med)
+                prev["losses"] = rec["losses"]  # the same run again (same seed, same data)
+                if prev["tx_bytes"] is not None and rec["tx_bytes"] is not None:
+                    prev["tx_bytes"] += rec["tx_bytes"]
+                for k in TIMING_KEYS:
+                    prev["timings"][k] += rec["timings"][k]
+            say(f"round {rnd + 1}/{spec['rounds']} {name}: median {med:.3f} s/step, "
                 f"{rec['bytes_sent'] / 1e6:.3f} MB sent/step")
-        else:
-            say(f"{name}: not available ({rec['reason']})")
     with open(os.path.join(spec["outdir"], f"rank{rank}.json"), "w") as f:
         json.dump(res, f)
     dist.barrier()
@@ -534,8 +555,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     p.add_argument("--seq", type=int)
     p.add_argument("--micro-batch", type=int)
     p.add_argument("--reduce-bucket-size", type=int, default=None, help="default: the engine's")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--warmup", type=int, help="untimed steps per setting and round (default 2 CPU, 5 cuda)")
+    p.add_argument("--steps", type=int, help="timed steps per setting and round (default 5 CPU, 20 cuda)")
+    p.add_argument("--rounds", type=int, default=2, help="passes over all settings, interleaved")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank (CPU)")
     p.add_argument("--bw-max-mb", type=int, default=None,
@@ -548,15 +570,16 @@ def main(argv: Optional[List[str]] = None) -> None:
     cuda = args.device == "cuda"
     args.link = args.link or ("loopback" if cuda else "netns")
     # CPU: ~1.7M parameters, ~0.15 s of compute per step on one core. GPU: GPT-2 124M.
-    defaults = dict(layers=12, dim=768, heads=12, vocab=50304, seq=1024, micro_batch=8) if cuda else \
-        dict(layers=2, dim=256, heads=4, vocab=256, seq=128, micro_batch=8)
+    defaults = dict(layers=12, dim=768, heads=12, vocab=50304, seq=1024, micro_batch=8, warmup=5,
+                    steps=20) if cuda else \
+        dict(layers=2, dim=256, heads=4, vocab=256, seq=128, micro_batch=8, warmup=2, steps=5)
     for k, v in defaults.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
     if args.bw_max_mb is None:
         args.bw_max_mb = 1024 if cuda else 64
-    if args.warmup < 1 or args.steps < 1:
-        fail("--warmup and --steps must be at least 1")
+    if args.warmup < 1 or args.steps < 1 or args.rounds < 1:
+        fail("--warmup, --steps and --rounds must be at least 1")
     try:
         drive(args)
     except KeyboardInterrupt:

@@ -16,7 +16,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "jobs" / "bench_compression.py"
 TINY = ["--layers", "1", "--dim", "32", "--heads", "2", "--vocab", "64", "--seq", "16",
-        "--micro-batch", "2", "--warmup", "1", "--steps", "2", "--quiet"]
+        "--micro-batch", "2", "--warmup", "1", "--steps", "2", "--rounds", "1", "--quiet"]
 SETTINGS = {"dense", "bf16", "topk", "powersgd"}
 CAN_NETNS = os.geteuid() == 0 and shutil.which("ip") is not None and shutil.which("tc") is not None
 
