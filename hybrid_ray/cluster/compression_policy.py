@@ -45,7 +45,7 @@ def candidates(auto: Dict) -> List[Dict]:
     out = [{"type": "bf16"},
            {"type": "topk", "topk_ratio": auto.get("topk_ratio", 0.01), **common},
            {"type": "powersgd", "rank": auto.get("rank", 4), **common}]
-    return [c for c in out if c["type"] not in auto.get("exclude", ())]
+    return out
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ class WorkerContext:
     _report: Callable[[dict], None] = field(repr=False, default=lambda rec: None)
     _beat: Callable[[int], None] = field(repr=False, default=lambda step: None)
     _stop: Callable[[], bool] = field(repr=False, default=lambda: False)
+    _directive: Callable[[], Optional[dict]] = field(repr=False, default=lambda: None)
 
     @property
     def rank(self) -> int:
@@ -59,6 +60,18 @@ class WorkerContext:
         if self.topology.group is not None:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.topology.group)
         return bool(flag.item() > 0)
+
+    def agree_on_directive(self) -> Optional[dict]:
+        """Collective: the newest directive rank 0 has from the driver (e.g. a gradient
+        compression setting: {"id", "setting", "reason"}), the same on every rank; None before
+        the first. Every rank calls it at the same step and applies what it returns before its
+        next step, so a change takes effect at one step everywhere although the driver's message
+        reaches the workers at different moments."""
+        box = [self._directive() if self.rank == 0 else None]
+        if self.topology.group is not None:
+            dist.broadcast_object_list(box, src=0, group=self.topology.group,
+                                       device=self.topology.device)
+        return box[0]
 
 
 def local_context(storage_path: str, run_name: str, topology: Optional[Topology] = None) -> WorkerContext:

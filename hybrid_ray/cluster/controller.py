@@ -72,6 +72,7 @@ class Controller:
         self._on_record, self._on_event = on_record, on_event
         self._last_step = -1
         self._failed_at: Optional[float] = None  # when the newest failure was detected
+        self._directive: Optional[dict] = None  # newest send_directive(); new groups start with it
 
     # ---- the state machine ----------------------------------------------------------------
     def run(self) -> Result:
@@ -160,7 +161,8 @@ class Controller:
                                use_gpu=self.scaling.use_gpu,
                                threads=int(self.group.resources.get("CPU", 1)) or 1,
                                collective_timeout_s=self.failure.collective_timeout_s,
-                               storage_path=self.storage_path, run_name=self.run_name)
+                               storage_path=self.storage_path, run_name=self.run_name,
+                               directive=self._directive)
                  for r, m in enumerate(members)}
         started = self.group.start(self.fn, specs)
         dead = [m for m in members if isinstance(started.get(m.index), Exception)]
@@ -168,6 +170,14 @@ class Controller:
             return self._teardown(dead, "worker lost while starting")
         self._monitor_nodes()
         return self._watch(world)
+
+    def send_directive(self, directive: dict) -> None:
+        """Hand every worker a directive (e.g. a gradient compression setting); the training
+        function decides when the ranks apply it (WorkerContext.agree_on_directive). Workers
+        of later groups start with the newest one."""
+        self._directive = directive
+        for m in self.group.members:  # fire and forget: a lost worker shows up in the next poll
+            m.handle.set_directive.remote(directive)
 
     def _monitor_nodes(self) -> None:
         """One worker per node samples that node's system metrics (records `system_metrics`);

@@ -64,6 +64,7 @@ class LMTrainFn:
         result = train(load_job(self.raw), RunContext(topology=ctx.topology, resume=True,
                                                       report=ctx.report, on_step=ctx.step_done,
                                                       stop=ctx.agree_to_stop,
+                                                      directive=ctx.agree_on_directive,
                                                       threads=torch.get_num_threads()))
         if result.stopped:
             raise StopTraining()
@@ -79,6 +80,7 @@ def run_elastic(raw: Mapping[str, Any], min_workers: int, max_workers: int,
 
     from .config import ClusterConfigError, FailureConfig, ScalingConfig
     from .controller import TrainingFailedError
+    from .coordinator import CompressionCoordinator
     from .progress import ProgressReporter
     from .trainer import ElasticTrainer, _connect
 
@@ -105,7 +107,13 @@ def run_elastic(raw: Mapping[str, Any], min_workers: int, max_workers: int,
     print(f"run {name}: {min_workers}-{max_workers} {'GPU' if scaling.use_gpu else 'CPU'} worker(s), "
           f"checkpoints and metrics in {job.train.out_dir}; MLflow {tracker.tracking_uri}", flush=True)
 
+    coordinator = CompressionCoordinator(
+        raw.get("engine", {}).get("gradient_compression", {}),
+        send=lambda directive: trainer.controller.send_directive(directive),
+        event=lambda msg: on_event(msg), tag=lambda setting: tracker.set_tags({"compression.setting": setting}))
+
     def on_record(rec: dict) -> None:
+        coordinator.record(rec)  # link measurements and step timings: compression decisions
         if "flops_report" in rec:  # the flops profile of one training step, from rank 0
             tracker.log_text(rec["flops_report"], "reports/flops.txt")
             return

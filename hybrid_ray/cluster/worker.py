@@ -43,6 +43,7 @@ class Worker:
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._result: Any = None
+        self._directive: Optional[dict] = None  # the driver's newest (context.agree_on_directive)
         self._monitor: Any = None  # hybrid_ray.tracking.system.SystemMonitor of this node
         self._monitor_label: Optional[str] = None
 
@@ -67,6 +68,7 @@ class Worker:
             self._state, self._error, self._result = RUNNING, None, None
             self._step, self._step_time = -1, time.monotonic()
         self._stop.clear()
+        self._directive = spec.get("directive")  # in force when this group formed
         checkpoint_write.clear_abort()
         self._thread = threading.Thread(target=self._main, args=(fn, spec), daemon=True,
                                         name=f"hybrid-ray-train-g{spec['generation']}")
@@ -77,7 +79,7 @@ class Worker:
         try:
             topo = _join(spec)
             ctx = WorkerContext(topo, spec["generation"], spec["storage_path"], spec["run_name"],
-                                self._report, self._beat, self._stop.is_set)
+                                self._report, self._beat, self._stop.is_set, lambda: self._directive)
             self._result = fn(ctx)
         except StopTraining:
             state = STOPPED
@@ -106,6 +108,10 @@ class Worker:
     def request_stop(self) -> None:
         """Stop at the next checkpoint boundary (growth)."""
         self._stop.set()
+
+    def set_directive(self, directive: dict) -> None:
+        """The driver's newest directive; the ranks agree on it at their next sync point."""
+        self._directive = directive
 
     def abort(self) -> None:
         """The group is being torn down: stop, and end any checkpoint commit wait now (a peer

@@ -119,11 +119,14 @@ class ZeroConfig:
 class CompressionConfig:
     """Gradient compression applied before the data-parallel reduction."""
 
-    type: Literal["none", "topk", "powersgd", "fp16", "bf16"] = "none"
+    type: Literal["none", "topk", "powersgd", "fp16", "bf16", "auto"] = "none"
     """Compression method: topk sends each bucket's largest entries as (index, value) pairs;
     powersgd sends rank-`rank` factors of each weight matrix (small and 1-D tensors densely);
-    fp16/bf16 reduce in that dtype (the same as communication_data_type). Engines switch it
-    between steps with `Engine.set_gradient_compression`."""
+    fp16/bf16 reduce in that dtype (the same as communication_data_type). auto: the Ray driver
+    chooses for the whole group (dense, bf16, topk at topk_ratio, powersgd at rank) from the
+    measured link and step-time split, and may change it between steps; without a driver, auto
+    reduces densely. Any other type is pinned. Engines switch it between steps with
+    `Engine.set_gradient_compression`."""
     topk_ratio: float = checked(0.01, gt=0, le=1)
     """topk: fraction of each bucket's gradient elements sent per reduction."""
     rank: int = checked(1, ge=1)

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from hybrid_ray.data.prepare import bits_per_byte, split_entropy
 from hybrid_ray.engine.topology import Topology
 from hybrid_ray.lm.evaluate import all_sum, evaluate, generate
+from hybrid_ray.lm.coordination import DirectiveFollower
 from hybrid_ray.lm.job import Job, for_world
 from hybrid_ray.lm.setup import (Run, RunContext, RunLog, build, checkpoint_dir, prepare_data,
                                  resume, set_threads)
@@ -97,6 +98,7 @@ def train_steps(job: Job, run: Run, log: RunLog,
     ctx.stop ended the run at a checkpoint); the tokens/s leave evaluation and checkpoint time out.
     """
     ctx = ctx or RunContext()
+    follower = _follower(run, ctx, log)
     # Throughput, TFLOPS, MFU and memory every log interval (flops measured once on a real
     # step), recorded with the losses: metrics.jsonl, the driver, MLflow.
     flops_sent = False
@@ -120,14 +122,18 @@ def train_steps(job: Job, run: Run, log: RunLog,
             engine.step()
             loss_sum[0] += loss.detach().float()
             loss_sum[1] += 1
+        if follower is not None:
+            follower.after_step()
         if step % every == 0 or step == steps:
             summed = all_sum(loss_sum.clone(), engine)  # the mean over every rank's micro-batches
             last_loss = float(summed[0] / summed[1])
             now = time.perf_counter()
-            _log_step(run, log, step, steps, last_loss,
-                      (step - logged) * tokens_per_step / (now - t_log))
+            _log_step(run, log, step, steps, last_loss, (step - logged) * tokens_per_step / (now - t_log),
+                      follower.interval(step - logged, now - t_log) if follower else {})
             loss_sum.zero_()
-            t_log, logged = now, step
+            if follower is not None:
+                follower.sync(step)  # a new compression setting applies from the next step on
+            t_log, logged = time.perf_counter(), step
         speed.update()
         flops_sent = flops_sent or _send_flops_report(run, log)
         if ctx.on_step is not None:
@@ -173,14 +179,29 @@ def _between_steps(job: Job, run: Run, log: RunLog, step: int) -> bool:
     return False
 
 
-def _log_step(run: Run, log: RunLog, step: int, total: int, loss: float, tok_s: float) -> None:
+def _log_step(run: Run, log: RunLog, step: int, total: int, loss: float, tok_s: float,
+              extra: dict) -> None:
     engine = run.engine
     norm = engine.get_global_grad_norm()  # None before the first optimizer step
     lr, scale = engine.get_lr()[0], engine.loss_scale
     log.record(step=step, train_loss=loss, lr=lr, loss_scale=scale, grad_norm=norm, tokens_per_s=tok_s,
-               skipped_steps=engine.skipped_steps, **_comm_record(engine))
+               skipped_steps=engine.skipped_steps, **_comm_record(engine), **extra)
     log.say(f"step {step:>5}/{total} | loss {loss:.4f} | lr {lr:.2e} | loss scale {scale:g} | "
             f"grad norm {'-' if norm is None else f'{norm:.3f}'} | {tok_s:,.0f} tok/s")
+
+
+def _follower(run: Run, ctx: RunContext, log: RunLog) -> Optional[DirectiveFollower]:
+    """With `gradient_compression.type: auto` under a driver (ctx.directive), follow its
+    choices: measure the link (rank 0 reports it) and start with the setting now in force."""
+    engine = run.engine
+    if ctx.directive is None or engine.config.gradient_compression.type != "auto":
+        return None
+    follower = DirectiveFollower(engine, ctx.directive, log.say)
+    world = engine.topology.world_size
+    bandwidth = follower.probe_link() if world > 1 else None
+    log.record(link={"world_size": world, "bandwidth": bandwidth})
+    follower.sync(engine.global_steps)
+    return follower
 
 
 def _comm_record(engine) -> dict:

@@ -35,6 +35,8 @@ class RunContext:
       heartbeat to the driver).
     stop: called on every rank after each checkpoint (a collective: every rank must get the same
       answer); True ends the run there, e.g. for the driver to re-form a larger group.
+    directive: called on every rank at each logging step (a collective, like stop): the driver's
+      newest directive, e.g. the gradient compression setting chosen for `type: auto`.
     """
 
     topology: Optional[Topology] = None
@@ -43,6 +45,7 @@ class RunContext:
     threads: Optional[int] = None
     on_step: Optional[Callable[[int], None]] = None
     stop: Optional[Callable[[], bool]] = None
+    directive: Optional[Callable[[], Optional[dict]]] = None
 
 
 class RunLog:

@@ -84,3 +84,29 @@ def reference(rank: int, world: int, storage: str, out: str, steps: int) -> None
     state = train_mlp(local_context(storage, "reference"), steps=steps)
     if rank == 0:
         torch.save(state, out)
+
+
+def train_following(ctx: WorkerContext, steps: int = 20, step_delay: float = 0.1):
+    """Train at ZeRO-2 and, after every step, agree with the other ranks on the driver's newest
+    directive and apply its gradient compression setting. Every rank reports the (step, id) at
+    which it applied each directive and a checksum of its parameters."""
+    world = ctx.world_size
+    cfg = {"train_batch_size": GLOBAL_BATCH, "train_micro_batch_size_per_gpu": GLOBAL_BATCH // world,
+           "zero_optimization": {"stage": 2}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
+    engine, _, _, _ = hybrid_ray.initialize(_model(), config=cfg, topology=ctx.topology)
+    applied, current = [], None
+    while engine.global_steps < steps:
+        x, y = (t.to(ctx.topology.device) for t in _batch(engine.global_steps, ctx.rank, world))
+        engine.backward(nn.functional.mse_loss(engine(x), y))
+        engine.step()
+        ctx.step_done(engine.global_steps)
+        time.sleep(step_delay)
+        directive = ctx.agree_on_directive()
+        if directive is not None and directive["id"] != current:
+            engine.set_gradient_compression(directive["setting"])
+            current = directive["id"]
+            applied.append((engine.global_steps, current, engine.gradient_compression["type"]))
+    checksum = sum(float(p.detach().double().sum()) for p in engine.module.parameters())
+    ctx.report({"rank": ctx.rank, "applied": applied, "checksum": checksum})
+    engine.close()
+    return applied

@@ -1,0 +1,59 @@
+"""The workers' side of the driver's gradient-compression choice (`gradient_compression.type:
+auto` on Ray; hybrid_ray/cluster/coordinator.py is the driver's side).
+
+Every rank: measures the link when the group forms (rank 0 reports it), sums the exposed
+communication of each step, and at every logging step agrees with the others on the driver's
+newest directive (a collective), so a new setting takes effect at the same step on all ranks.
+Rank 0's logging record carries the interval's numbers and the id of the setting in force.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Callable, Optional
+
+from hybrid_ray.engine import comm
+
+log = logging.getLogger("hybrid_ray.lm")
+
+
+def _describe(setting: dict) -> str:
+    from hybrid_ray.cluster.compression_policy import describe  # no Ray import: a plain module
+    return describe(setting)
+
+
+class DirectiveFollower:
+    def __init__(self, engine, agree: Callable[[], Optional[dict]], say: Callable[[str], None]):
+        self.engine, self.agree, self.say = engine, agree, say
+        self.applied_id = 0  # 0: the job's own start, dense (type auto reduces densely alone)
+        self._comm_s = 0.0
+
+    def probe_link(self, max_seconds: float = 0.2, max_bytes: int = 64 << 20) -> float:
+        """Bus bandwidth in bytes/s (collective). Grows the buffer until one all-reduce takes
+        about max_seconds, so a slow link is not probed with 64 MB (minutes at 1 MB/s)."""
+        nbytes = 256 << 10
+        while True:
+            bw = comm.probe_bandwidth(self.engine.topology.group, nbytes=nbytes, repeats=2)
+            if nbytes * 8 > max_bytes or nbytes / bw >= max_seconds / 8:  # same answer on every rank
+                return bw
+            nbytes *= 8
+
+    def after_step(self) -> None:
+        """After each optimizer step: add its exposed communication to the interval's."""
+        self._comm_s += float(self.engine.compression_stats().get("comm_wait_s") or 0.0)
+
+    def interval(self, steps: int, seconds: float) -> dict:
+        """Rank 0's record fields for the interval just ended; starts the next one."""
+        out = {"compression_id": self.applied_id, "interval_steps": steps,
+               "interval_step_s": seconds / max(steps, 1), "interval_comm_s": self._comm_s / max(steps, 1)}
+        self._comm_s = 0.0
+        return out
+
+    def sync(self, step: int) -> None:
+        """Collective: apply the driver's newest directive if it is not in force yet."""
+        directive = self.agree()
+        if directive is None or directive["id"] == self.applied_id:
+            return
+        self.engine.set_gradient_compression(directive["setting"])
+        self.applied_id = directive["id"]
+        self.say(f"step {step}: gradient compression now {_describe(directive['setting'])} "
+                 f"(driver: {directive['reason']})")
