@@ -180,6 +180,8 @@ class LocalLink:
 # ---- the driver -----------------------------------------------------------------------------
 
 def check_prerequisites(args) -> None:
+    if args.link != "netns" and (args.rate or args.delay):
+        fail("--rate/--delay shape the netns link only: drop them or use --link netns")
     if args.device == "cuda":
         if args.link == "netns":
             fail("--device cuda runs over NCCL between local GPUs: use --link loopback (the default "
@@ -193,8 +195,6 @@ def check_prerequisites(args) -> None:
         if os.geteuid() != 0 or missing:
             why = f"missing {' and '.join(missing)}" if missing else "not root"
             fail(f"--link netns needs root and iproute2's ip and tc ({why}); try --link loopback")
-    elif args.rate or args.delay:
-        fail("--rate/--delay shape the netns link only: drop them or use --link netns")
 
 
 def launch(args, link, spec_path: str, workdir: str) -> None:
