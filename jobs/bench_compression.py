@@ -286,6 +286,35 @@ def summarize(args, link_info: dict, ranks: List[dict]) -> dict:
     return out
 
 
+def policy_replay(res: dict) -> List[str]:
+    """What the Ray driver's policy (gradient_compression type auto) decides when fed these
+    measurements: the dense run's median step and exposed communication first, then each
+    setting it asks to try, as if measured live. Checks the policy against the measured best."""
+    from hybrid_ray.cluster.compression_policy import DENSE, CompressionPolicy, Interval
+
+    measured = {json.dumps(s["compression"] or DENSE, sort_keys=True): s
+                for s in res["settings"].values() if s["available"]}
+    dense = res["settings"].get("dense")
+    if not dense or not dense["available"] or dense.get("engine_comm_wait_s_median") is None:
+        return []
+    options = [s["compression"] for n, s in res["settings"].items() if s["available"] and n != "dense"]
+    policy = CompressionPolicy(options)
+    bw = res["link"]["measured"]["bus_bytes_per_s"]
+    reasons = [d.reason for d in [policy.on_group(WORLD, bw)] if d]
+    current, sample = 0, dense
+    for _ in range(4 * (len(options) + 2)):  # skip-first + measured intervals per setting, at most
+        if policy.settled is not None:
+            break
+        iv = Interval(current, 1, sample["step_s_median"], sample.get("engine_comm_wait_s_median") or 0.0,
+                      sample["bytes_sent_per_step"], sample["dense_bytes_per_step"])
+        decision = policy.observe(iv)
+        if decision is not None:
+            reasons.append(decision.reason)
+            current = decision.setting_id
+            sample = measured[json.dumps(decision.setting, sort_keys=True)]
+    return reasons
+
+
 def _mb(n: Optional[float]) -> str:
     return "-" if n is None else f"{n / 1e6:.3f} MB"
 
@@ -370,7 +399,10 @@ def drive(args) -> None:
         cleanup()
         signal.signal(signal.SIGTERM, old_term)
         signal.signal(signal.SIGINT, old_int)
+    res["policy"] = policy_replay(res)
     print(format_table(res))
+    for line in res["policy"]:
+        print("driver policy on these measurements:", line)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=2)

@@ -87,3 +87,27 @@ def test_one_worker_reduces_nothing():
     p = CompressionPolicy(candidates(AUTO))
     assert p.on_group(1, None) is None and p.settled == DENSE
     assert feed(p, 0, 1.0, 0.9) == []
+
+
+def test_bench_replay_settles_on_the_measured_best():
+    # jobs/bench_compression.py feeds the policy its measured medians (the 20 Mbit/s ZeRO-2 run).
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[2] / "jobs" / "bench_compression.py"
+    spec = importlib.util.spec_from_file_location("bench_compression", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+
+    def s(gc, step, wait, sent):
+        return {"available": True, "compression": gc, "step_s_median": step,
+                "engine_comm_wait_s_median": wait, "bytes_sent_per_step": sent, "dense_bytes_per_step": 6.7e6}
+    res = {"link": {"measured": {"bus_bytes_per_s": 1.9e6}},
+           "settings": {"dense": s(None, 5.973, 3.662, 6.7e6), "bf16": s({"type": "bf16"}, 4.127, 1.8, 3.4e6),
+                        "topk": s({"type": "topk", "topk_ratio": 0.01}, 2.711, 0.68, 1.3e5),
+                        "powersgd": s({"type": "powersgd", "rank": 4}, 2.688, 0.17, 1.7e5)}}
+    reasons = bench.policy_replay(res)
+    assert [r.split(":")[0] for r in reasons[:3]] == ["trying topk 0.01", "trying powersgd rank 4", "trying bf16"]
+    assert reasons[-1].startswith("settled on powersgd rank 4 (2.22x faster than dense)")
+    res["settings"]["dense"] = s(None, 0.370, 0.030, 6.7e6)  # loopback: 8% communication
+    [keep] = bench.policy_replay(res)
+    assert keep.startswith("keeping dense")
