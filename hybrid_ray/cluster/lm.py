@@ -103,7 +103,7 @@ def run_elastic(raw: Mapping[str, Any], min_workers: int, max_workers: int,
         scaling = dataclasses.replace(scaling, use_gpu=ray.cluster_resources().get("GPU", 0) >= 1)
     storage, name = posixpath.split(job.train.out_dir)
     progress = ProgressReporter(total_steps=job.train.steps)
-    tracker = _tracker(name, raw, scaling)
+    tracker = _tracker(name, raw, scaling, job)
     print(f"run {name}: {min_workers}-{max_workers} {'GPU' if scaling.use_gpu else 'CPU'} worker(s), "
           f"checkpoints and metrics in {job.train.out_dir}; MLflow {tracker.tracking_uri}", flush=True)
 
@@ -151,12 +151,14 @@ def run_elastic(raw: Mapping[str, Any], min_workers: int, max_workers: int,
     return 0  # rank 0 printed the sample itself (its output reaches this driver)
 
 
-def _tracker(name: str, raw: Mapping[str, Any], scaling):
-    """The run's MLflow record (MLFLOW_TRACKING_URI, else sqlite:///mlflow.db here): the job
-    file as params and an artifact, the worker range, system metrics of the driver's host."""
+def _tracker(name: str, raw: Mapping[str, Any], scaling, job: Job):
+    """The run's MLflow record (the job's tracking.uri, else MLFLOW_TRACKING_URI, else
+    sqlite:///mlflow.db here): the job file as params and an artifact, the worker range, system
+    metrics of the driver's host."""
     from hybrid_ray.tracking import RunTracker
 
-    tracker = RunTracker(name, params=raw, tags={"hybrid_ray.job": "lm"})
+    tracker = RunTracker(name, experiment=job.tracking.experiment, tracking_uri=job.tracking.uri,
+                         params=raw, tags={"hybrid_ray.job": "lm"})
     tracker.log_params({"scaling.min_workers": scaling.min_workers,
                         "scaling.max_workers": scaling.max_workers, "scaling.use_gpu": scaling.use_gpu})
     tracker.log_dict(dict(raw), "config.json")

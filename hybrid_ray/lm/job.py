@@ -24,7 +24,7 @@ from hybrid_ray.config.loader import checked, load_dataclass
 from hybrid_ray.data.corpus import CorpusSpec
 from hybrid_ray.data.sampler import split_global_batch
 
-SECTIONS = ("engine", "model", "data", "train")
+SECTIONS = ("engine", "model", "data", "train", "tracking")
 
 
 @dataclass(frozen=True)
@@ -90,6 +90,17 @@ class TrainSection:
 
 
 @dataclass(frozen=True)
+class TrackingSection:
+    """Where the Ray driver records the run in MLflow."""
+
+    uri: Optional[str] = None
+    """Tracking URI (e.g. http://mlflow.internal:5000); null: MLFLOW_TRACKING_URI, else
+    sqlite:///mlflow.db in the driver's working directory."""
+    experiment: str = "hybrid_ray"
+    """MLflow experiment; the run inside it is named after the run name."""
+
+
+@dataclass(frozen=True)
 class Job:
     """A validated job file."""
 
@@ -97,6 +108,7 @@ class Job:
     data: DataSection
     train: TrainSection
     model: ModelSection = field(default_factory=ModelSection)
+    tracking: TrackingSection = field(default_factory=TrackingSection)
     path: str = ""
     """The file it came from ('' for a dict)."""
 
@@ -130,7 +142,8 @@ def load_job(source: Union[str, os.PathLike, Mapping[str, Any]],
     train = load_dataclass(TrainSection, _required(raw, "train"), "train")
     _check_schedule(engine, train)
     data = load_dataclass(DataSection, _required(raw, "data"), "data")
-    return Job(engine, data, train, model, path)
+    tracking = load_dataclass(TrackingSection, raw.get("tracking", {}), "tracking")
+    return Job(engine, data, train, model, tracking, path)
 
 
 def apply_overrides(raw: Any, overrides: Sequence[str]) -> dict:

@@ -80,10 +80,11 @@ def _steps_logged(out) -> list:
 
 def test_server_down_mid_run_loses_no_metric(ray_session, server, data, tmp_path, monkeypatch, caplog):
     caplog.set_level(logging.WARNING, logger="hybrid_ray.tracking")
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", server.uri)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)  # the job file names the server
     monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "1")
     out, steps = tmp_path / "lm-outage", 48  # long enough to outlast a server restart
     raw = job(data, out, steps=steps)
+    raw["tracking"] = {"uri": server.uri, "experiment": "lm-outage-exp"}
     raw["train"].update(eval_interval=16, save_interval=16)
     raw["engine"]["steps_per_print"] = 1  # a train_loss record every step
     box = {}
@@ -103,7 +104,7 @@ def test_server_down_mid_run_loses_no_metric(ray_session, server, data, tmp_path
     assert box["code"] == 0
 
     client = MlflowClient(server.uri)
-    exp = client.get_experiment_by_name("hybrid_ray")
+    exp = client.get_experiment_by_name("lm-outage-exp")
     [run] = client.search_runs([exp.experiment_id], "tags.`hybrid_ray.run_name` = 'lm-outage'")
     assert run.info.status == "FINISHED"
     history = sorted(client.get_metric_history(run.info.run_id, "train_loss"), key=lambda m: m.step)

@@ -123,3 +123,11 @@ def test_resume_needs_an_out_dir(data_dir):
 
     with pytest.raises(ValueError, match="--resume: train.out_dir is null"):
         train(load_job(tiny_job(data_dir, steps=1)), RunContext(resume=True))
+
+
+def test_tracking_section():
+    job = load_job({**TINY, "tracking": {"uri": "http://mlflow.internal:5000", "experiment": "lm"}})
+    assert (job.tracking.uri, job.tracking.experiment) == ("http://mlflow.internal:5000", "lm")
+    assert load_job(TINY).tracking.uri is None
+    with pytest.raises(ConfigError, match=r"^tracking.url: unknown key"):
+        load_job({**TINY, "tracking": {"url": "x"}})
