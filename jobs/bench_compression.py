@@ -305,8 +305,7 @@ def policy_replay(res: dict) -> List[str]:
     for _ in range(4 * (len(options) + 2)):  # skip-first + measured intervals per setting, at most
         if policy.settled is not None:
             break
-        iv = Interval(current, 1, sample["step_s_median"], sample.get("engine_comm_wait_s_median") or 0.0,
-                      sample["bytes_sent_per_step"], sample["dense_bytes_per_step"])
+        iv = Interval(current, 1, sample["step_s_median"], sample.get("engine_comm_wait_s_median") or 0.0)
         decision = policy.observe(iv)
         if decision is not None:
             reasons.append(decision.reason)

@@ -56,8 +56,6 @@ class Interval:
     steps: int  # optimizer steps in the interval
     step_s: float  # mean wall time per step
     comm_wait_s: float  # mean time per step blocked on gradient collectives
-    bytes_sent: float  # gradient bytes this rank sent per step
-    dense_bytes: float  # what the dense reduction would have sent
 
 
 @dataclass(frozen=True)
@@ -140,7 +138,6 @@ class CompressionPolicy:
     # ---- the steps ----------------------------------------------------------------------------
     def _after_dense(self) -> Decision:
         step, comm = self._dense.mean_step_s(), self._dense.mean_comm_s()
-        dense_bytes = self._dense.samples[-1].dense_bytes
         share = comm / step if step > 0 else 0.0
         link = f", link {self.bandwidth / 1e6:,.1f} MB/s" if self.bandwidth else ""
         self._summary = f"dense {step:.3f} s/step, {comm:.3f} s of it exposed communication ({share:.0%}{link})"

@@ -39,11 +39,9 @@ class CompressionCoordinator:
                       f"a group of {link['world_size']} formed; link "
                       + (f"{bandwidth / 1e6:,.1f} MB/s" if bandwidth else "not measured"))
         elif "compression_id" in rec and rec.get("interval_steps"):
-            sent = float(rec.get("grad_bytes_sent") or 0.0)
             self._act(self.policy.observe(Interval(
                 setting_id=int(rec["compression_id"]), steps=int(rec["interval_steps"]),
-                step_s=float(rec["interval_step_s"]), comm_wait_s=float(rec.get("interval_comm_s") or 0.0),
-                bytes_sent=sent, dense_bytes=sent * float(rec.get("compression_ratio") or 1.0))))
+                step_s=float(rec["interval_step_s"]), comm_wait_s=float(rec.get("interval_comm_s") or 0.0))))
 
     def _act(self, decision: Optional[Decision], context: str = "") -> None:
         if decision is None:

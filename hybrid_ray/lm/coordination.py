@@ -8,16 +8,15 @@ Rank 0's logging record carries the interval's numbers and the id of the setting
 """
 from __future__ import annotations
 
-import logging
 from typing import Callable, Optional
 
 from hybrid_ray.engine import comm
 
-log = logging.getLogger("hybrid_ray.lm")
-
 
 def _describe(setting: dict) -> str:
-    from hybrid_ray.cluster.compression_policy import describe  # no Ray import: a plain module
+    # Imported when first needed, under Ray: the hybrid_ray.cluster package imports Ray, and
+    # this loop also runs under torchrun without it.
+    from hybrid_ray.cluster.compression_policy import describe
     return describe(setting)
 
 

@@ -8,11 +8,11 @@ from hybrid_ray.cluster.compression_policy import (DENSE, CompressionPolicy, Int
 AUTO = {"type": "auto", "topk_ratio": 0.01, "rank": 4}
 
 
-def feed(policy, setting_id, step_s, comm_s, n=3, steps=10, dense_bytes=4e6):
+def feed(policy, setting_id, step_s, comm_s, n=3, steps=10):
     """n intervals of one setting; returns the decisions they caused."""
     out = []
     for _ in range(n):
-        d = policy.observe(Interval(setting_id, steps, step_s, comm_s, dense_bytes / 10, dense_bytes))
+        d = policy.observe(Interval(setting_id, steps, step_s, comm_s))
         if d is not None:
             out.append(d)
     return out
