@@ -2,7 +2,7 @@
 
 Compression wins only where the bytes it saves would take longer to send than compressing
 takes. This times the engine's own compressors (`TopK`, `PowerSGD`) over one step's gradient
-buckets of a GPT (the 350M of ../shared/anchors by default, buckets of the engine's default
+buckets of a GPT (`GPT_SIZES`, the 350M of ../shared/anchors by default, buckets of the engine's default
 50M elements) in a one-rank process group, so it runs on a single GPU: everything but the wire.
 It prints, per method, the compute time per step, the bytes a rank sends, and the break-even
 bandwidth: below it compression saves time, above it (NVLink) the dense reduction is faster.
@@ -34,9 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hybrid_ray.engine.compression import TopK  # noqa: E402
 from hybrid_ray.engine.powersgd import PowerSGD  # noqa: E402
-from hybrid_ray.models import GPT, GPTConfig  # noqa: E402
-
-MODELS = {"124m": (12, 12, 768), "350m": (24, 16, 1024), "1.3b": (24, 32, 2048)}  # layers, heads, d
+from hybrid_ray.models import GPT  # noqa: E402
+from hybrid_ray.models.gpt import GPT_SIZES  # noqa: E402
 
 
 def gradient_buckets(model: torch.nn.Module, bucket_numel: int, device: torch.device, dtype: torch.dtype
@@ -78,10 +77,7 @@ def time_method(comp, buckets, device: torch.device, iters: int) -> Dict[str, fl
 
 def main(argv: Optional[List[str]] = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", choices=sorted(MODELS), default="350m")
-    ap.add_argument("--layers", type=int, help="override the model's layers (tests)")
-    ap.add_argument("--dim", type=int, help="override d_model (tests)")
-    ap.add_argument("--vocab", type=int, default=50304)
+    ap.add_argument("--model", choices=sorted(GPT_SIZES), default="350m")
     ap.add_argument("--bucket-numel", type=int, default=50_000_000)
     ap.add_argument("--topk-ratio", type=float, default=0.01)
     ap.add_argument("--rank", type=int, default=4, help="PowerSGD rank")
@@ -89,13 +85,10 @@ def main(argv: Optional[List[str]] = None) -> dict:
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    layers, heads, dim = MODELS[args.model]
-    layers, dim = args.layers or layers, args.dim or dim
-    heads = heads if dim % heads == 0 else 1
     device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
     dense_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     with torch.device("meta"):
-        model = GPT(GPTConfig(n_layer=layers, n_head=heads, d_model=dim, vocab_size=args.vocab, seq_len=64))
+        model = GPT(GPT_SIZES[args.model])
     buckets = gradient_buckets(model, args.bucket_numel, device, dense_dtype)
     numel = sum(b.numel() for b, _ in buckets)
     dense_bytes = numel * dense_dtype.itemsize

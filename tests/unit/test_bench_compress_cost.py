@@ -18,8 +18,8 @@ def test_tiny_model_on_cpu(tmp_path, capsys, monkeypatch):
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod
     spec.loader.exec_module(mod)
-    out = mod.main(["--device", "cpu", "--layers", "2", "--dim", "64", "--vocab", "512",
-                    "--bucket-numel", "20000", "--iters", "2", "--out", str(tmp_path / "c.json")])
+    out = mod.main(["--device", "cpu", "--model", "small",
+                    "--bucket-numel", "200000", "--iters", "2", "--out", str(tmp_path / "c.json")])
     assert out["buckets"] > 1 and out["dense_bytes"] == 4 * out["params"]  # fp32 on the CPU
     methods = out["methods"]
     assert set(methods) == {"topk 0.01", "powersgd rank 4"}
