@@ -3,7 +3,6 @@ loopback; every setting is in the JSON, top-k sends far fewer bytes, the namespa
 Plus its one-line refusals, in process."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -13,19 +12,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.jobs_scripts import load_script
+
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "jobs" / "bench_compression.py"
 TINY = ["--layers", "1", "--dim", "32", "--heads", "2", "--vocab", "64", "--seq", "16",
         "--micro-batch", "2", "--warmup", "1", "--steps", "2", "--rounds", "1", "--quiet"]
 SETTINGS = {"dense", "bf16", "topk", "powersgd"}
 CAN_NETNS = os.geteuid() == 0 and shutil.which("ip") is not None and shutil.which("tc") is not None
-
-
-def load_bench():
-    spec = importlib.util.spec_from_file_location("bench_compression", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def run_bench(tmp_path: Path, *flags: str) -> dict:
@@ -80,7 +74,7 @@ def test_loopback(tmp_path):
 
 
 def test_refusals(monkeypatch, capsys):
-    bench = load_bench()
+    bench = load_script("bench_compression")
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     with pytest.raises(SystemExit) as exc:
         bench.main(["--link", "netns"])

@@ -3,22 +3,15 @@ in a one-rank group, send fewer bytes than the dense reduction, and the break-ev
 the saved bytes over the measured time."""
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "jobs" / "bench_compress_cost.py"
+from tests.jobs_scripts import load_script
 
 
 def test_tiny_model_on_cpu(tmp_path, capsys, monkeypatch):
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(var, raising=False)
-    spec = importlib.util.spec_from_file_location("bench_compress_cost", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    out = mod.main(["--device", "cpu", "--model", "small",
+    out = load_script("bench_compress_cost").main(["--device", "cpu", "--model", "small",
                     "--bucket-numel", "200000", "--iters", "2", "--out", str(tmp_path / "c.json")])
     assert out["buckets"] > 1 and out["dense_bytes"] == 4 * out["params"]  # fp32 on the CPU
     methods = out["methods"]

@@ -91,12 +91,8 @@ def test_one_worker_reduces_nothing():
 
 def test_bench_replay_settles_on_the_measured_best():
     # jobs/bench_compression.py feeds the policy its measured medians (the 20 Mbit/s ZeRO-2 run).
-    import importlib.util
-    from pathlib import Path
-    path = Path(__file__).resolve().parents[2] / "jobs" / "bench_compression.py"
-    spec = importlib.util.spec_from_file_location("bench_compression", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    from tests.jobs_scripts import load_script
+    bench = load_script("bench_compression")
 
     def s(gc, step, wait, sent):
         return {"available": True, "compression": gc, "step_s_median": step,

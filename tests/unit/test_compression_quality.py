@@ -4,24 +4,17 @@ and a malformed variant is a one-line error."""
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.jobs_scripts import load_script
 from tests.unit.test_lm_job import TINY
-
-SCRIPT = Path(__file__).resolve().parents[2] / "jobs" / "compression_quality.py"
 
 
 def load_study():
-    spec = importlib.util.spec_from_file_location("compression_quality", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("compression_quality")
 
 
 @pytest.fixture(scope="module")
