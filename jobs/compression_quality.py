@@ -8,8 +8,9 @@ per simulated rank. The ranks run one after the other in one process: each compu
 micro-batch gradient, its compressor keeps the k largest entries per bucket, and the sum of the
 kept pairs (divided by the number of ranks) is the gradient the optimizer sees, as the engine's
 reduction produces it. What it leaves out: bf16 parameters (fp32 throughout) and Ray.
-It reproduces the main job's gaps: top-k 0.01 with a 200-step warm-up ends 7.6% above dense
-here against 7.4% in the Ray job; top-k 0.05 with a 100-step warm-up 3.3% against 3.9%.
+It reproduces the main job's gaps (600 steps, seeds 1234 and 1235): top-k 0.01 with a 200-step
+warm-up ends 6.9% above dense here against 7.4% in the Ray job; top-k 0.05 with a 100-step
+warm-up 3.2% against 3.9%.
 
     python jobs/compression_quality.py --config jobs/configs/small_cpu.json \
         --variant dense --variant topk:0.01:200 --variant topk:0.05:100 [--steps 1800] [--seeds 2]
@@ -39,7 +40,7 @@ from hybrid_ray.engine.precision import is_norm  # noqa: E402
 from hybrid_ray.engine.schedulers import build_scheduler  # noqa: E402
 from hybrid_ray.lm.evaluate import evenly_spaced  # noqa: E402
 from hybrid_ray.lm.job import Job, load_job  # noqa: E402
-from hybrid_ray.models import GPT, GPTConfig  # noqa: E402
+from hybrid_ray.lm.setup import build_model  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -89,11 +90,8 @@ def buckets_of(model: torch.nn.Module) -> List[List[torch.nn.Parameter]]:
 def run(job: Job, variant: Variant, steps: int, seed: int, ranks: int, data) -> dict:
     """Train one variant; val loss (nats/token) and bytes sent per rank."""
     train, val, vocab_size = data
-    e, m = job.engine, job.model
-    vocab = -(-vocab_size // m.vocab_multiple) * m.vocab_multiple
-    torch.manual_seed(seed)
-    model = GPT(GPTConfig(n_layer=m.n_layer, n_head=m.n_head, d_model=m.d_model, vocab_size=vocab,
-                          seq_len=m.seq_len)).to(train.device)
+    e = job.engine
+    model = build_model(job, vocab_size, seed).to(train.device)
     opt = getattr(torch.optim, e.optimizer.type)(model.parameters(), **e.optimizer.params)
     sched = build_scheduler(_with_total(e.scheduler, steps), opt)
     buckets = buckets_of(model)

@@ -113,14 +113,21 @@ class Run:
     meta: dict
 
 
+def build_model(job: Job, vocab_size: int, seed: int) -> GPT:
+    """The job's GPT, seeded (the same initial weights on every rank); the vocabulary rounded up
+    to `model.vocab_multiple`."""
+    m = job.model
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(n_layer=m.n_layer, n_head=m.n_head, d_model=m.d_model,
+                         vocab_size=-(-vocab_size // m.vocab_multiple) * m.vocab_multiple,
+                         seq_len=m.seq_len, dropout=m.dropout))
+
+
 def build(job: Job, topo: Topology, meta: dict) -> Run:
     """Model, engine and this rank's loader; every rank builds the same initial weights."""
     m, d = job.model, job.data
     tok = load_tokenizer(d.path, meta)
-    vocab = -(-tok.vocab_size // m.vocab_multiple) * m.vocab_multiple
-    torch.manual_seed(job.engine.seed or 0)
-    model = GPT(GPTConfig(n_layer=m.n_layer, n_head=m.n_head, d_model=m.d_model,
-                          vocab_size=vocab, seq_len=m.seq_len, dropout=m.dropout))
+    model = build_model(job, tok.vocab_size, job.engine.seed or 0)
     train = open_split(d.path, meta, "train", m.seq_len, d.cache_dir)
     engine, _, loader, _ = hybrid_ray.initialize(model, config=job.engine, training_data=train,
                                                  topology=topo)
