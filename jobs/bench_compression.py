@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import gc
 import json
 import os
 import re
@@ -536,8 +537,8 @@ def worker(spec_path: str) -> None:
            "dtype": spec["dtype"], "bandwidth": bw, "settings": {}}
     # Rounds interleave the settings, so a neighbour's load on the shared cores hits them alike.
     for rnd in range(spec["rounds"]):
-        for name, gc in spec["settings"].items():
-            rec = run_setting(spec, gc, topo)
+        for name, section in spec["settings"].items():
+            rec = run_setting(spec, section, topo)
             prev = res["settings"].setdefault(name, rec)
             if not rec["available"]:
                 if rnd == 0:
@@ -559,6 +560,10 @@ def worker(spec_path: str) -> None:
     with open(os.path.join(spec["outdir"], f"rank{rank}.json"), "w") as f:
         json.dump(res, f)
     dist.barrier()
+    # The closed engines sit in reference cycles that still hold the process group; left to
+    # interpreter shutdown, gloo's teardown sometimes aborts the process ("terminate called
+    # without an active exception") after the results are written. As in lm/launch.py.
+    gc.collect()
     dist.destroy_process_group()
 
 
