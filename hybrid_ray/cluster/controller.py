@@ -198,7 +198,7 @@ class Controller:
         stop_sent = None
         while True:
             time.sleep(self.failure.poll_interval_s)
-            news = self.group.call("poll", timeout_s=max(5.0, self.failure.poll_interval_s * 4))
+            news = self.group.poll(timeout_s=max(5.0, self.failure.poll_interval_s * 4))
             lost = [m for m in self.group.members if isinstance(news[m.index], ray.exceptions.RayActorError)]
             if lost:
                 return self._teardown(lost, "worker lost")

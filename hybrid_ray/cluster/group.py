@@ -23,6 +23,17 @@ class Member:
     handle: Any
     index: int  # creation order, stable across generations (names "worker 3" in events)
     info: Dict[str, Any] = field(default_factory=dict)
+    acked: int = 0  # sequence number of the newest record received from it (Worker.poll)
+
+    def take_news(self, reply: Any) -> Any:
+        """A poll reply with its records as plain dicts, only those not received before; the
+        acknowledgement goes out with the next poll. Errors pass through."""
+        if not isinstance(reply, dict):
+            return reply
+        fresh = [(seq, rec) for seq, rec in reply["records"] if seq > self.acked]
+        if fresh:
+            self.acked = fresh[-1][0]
+        return dict(reply, records=[rec for _, rec in fresh])
 
 
 class WorkerGroup:
@@ -87,6 +98,12 @@ class WorkerGroup:
         (RayActorError when the actor is dead, GetTimeoutError when it did not answer)."""
         return _collect({m.index: getattr(m.handle, method).remote(*args) for m in self.members},
                         timeout_s)
+
+    def poll(self, timeout_s: float) -> Dict[int, Any]:
+        """Every member's news (Worker.poll), as in `call`; a record whose reply timed out is
+        delivered by a later poll, none twice."""
+        news = _collect({m.index: m.handle.poll.remote(m.acked) for m in self.members}, timeout_s)
+        return {m.index: m.take_news(news[m.index]) for m in self.members}
 
     def start(self, fn: Any, specs: Dict[int, Dict[str, Any]]) -> Dict[int, Any]:
         """Start every member's training with its own spec; results as in `call`."""

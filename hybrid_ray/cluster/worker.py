@@ -13,7 +13,7 @@ import socket
 import threading
 import time
 import traceback
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -37,7 +37,10 @@ class Worker:
         self._lock = threading.Lock()
         self._state = IDLE
         self._error: Optional[str] = None
-        self._records: List[dict] = []
+        # Records not yet acknowledged by the driver, with their sequence numbers: a poll whose
+        # reply the driver never got (a timeout under load) must not lose them.
+        self._records: List[Tuple[int, dict]] = []
+        self._seq = 0
         self._step = -1
         self._step_time = time.monotonic()
         self._stop = threading.Event()
@@ -91,19 +94,22 @@ class Worker:
 
     def _report(self, record: dict) -> None:
         with self._lock:
-            self._records.append(record)
+            self._seq += 1
+            self._records.append((self._seq, record))
 
     def _beat(self, step: int) -> None:
         with self._lock:
             self._step, self._step_time = step, time.monotonic()
 
     # ---- what the driver calls while it runs -------------------------------------------
-    def poll(self) -> Dict[str, Any]:
-        """State, error, newest step and its age, and the metric records since the last poll."""
+    def poll(self, ack: int = 0) -> Dict[str, Any]:
+        """State, error, newest step and its age, and the metric records after `ack` as
+        (sequence number, record) pairs. `ack`: the newest sequence number the driver has
+        received; those up to it are dropped here, the rest are sent again until acknowledged."""
         with self._lock:
-            records, self._records = self._records, []
+            self._records = [(seq, rec) for seq, rec in self._records if seq > ack]
             return {"state": self._state, "error": self._error, "step": self._step,
-                    "step_age_s": time.monotonic() - self._step_time, "records": records}
+                    "step_age_s": time.monotonic() - self._step_time, "records": list(self._records)}
 
     def request_stop(self) -> None:
         """Stop at the next checkpoint boundary (growth)."""

@@ -1,0 +1,28 @@
+"""Worker.poll and Member.take_news without a cluster: a poll reply the driver never received
+(a timeout under load) loses no record, and no record is delivered twice."""
+from __future__ import annotations
+
+from hybrid_ray.cluster.group import Member
+from hybrid_ray.cluster.worker import Worker
+
+
+def test_records_survive_a_lost_reply_and_arrive_once():
+    worker, member = Worker(), Member(handle=None, index=0)
+    worker._report({"step": 1})
+    worker._report({"step": 2})
+    lost = worker.poll(member.acked)  # the driver's ray.get timed out: the reply is gone
+    assert [r for _, r in lost["records"]] == [{"step": 1}, {"step": 2}]
+
+    first = member.take_news(worker.poll(member.acked))
+    assert first["records"] == [{"step": 1}, {"step": 2}] and member.acked == 2
+    worker._report({"step": 3})
+    again = worker.poll(0)  # a stale ack (say, a retried call) re-sends, the member filters
+    assert member.take_news(again)["records"] == [{"step": 3}]
+    assert member.take_news(worker.poll(member.acked))["records"] == []
+    assert worker._records == []  # acknowledged records are dropped on the worker
+
+
+def test_errors_pass_through():
+    member = Member(handle=None, index=0)
+    err = TimeoutError("no reply")
+    assert member.take_news(err) is err and member.acked == 0
