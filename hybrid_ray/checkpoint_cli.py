@@ -82,9 +82,9 @@ def _numel(shape: List[int]) -> int:
 
 
 def inspect_command(args: argparse.Namespace) -> int:
-    from hybrid_ray.engine import checkpoint_offline as offline
-    from hybrid_ray.engine import checkpoint_read as cread
-    from hybrid_ray.engine.checkpoint_io import CheckpointError
+    from hybrid_ray.engine.checkpoint import offline
+    from hybrid_ray.engine.checkpoint import read as cread
+    from hybrid_ray.engine.checkpoint.storage import CheckpointError
 
     try:
         fs, root, tags = offline.locate(args.path, args.tag)
@@ -107,8 +107,8 @@ def inspect_command(args: argparse.Namespace) -> int:
 def export_command(args: argparse.Namespace) -> int:
     import torch
 
-    from hybrid_ray.engine import checkpoint_offline as offline
-    from hybrid_ray.engine.checkpoint_io import CheckpointError
+    from hybrid_ray.engine.checkpoint import offline
+    from hybrid_ray.engine.checkpoint.storage import CheckpointError
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     try:

@@ -32,8 +32,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hybrid_ray.engine.compression import TopK  # noqa: E402
-from hybrid_ray.engine.powersgd import PowerSGD  # noqa: E402
+from hybrid_ray.engine.compression.topk import TopK  # noqa: E402
+from hybrid_ray.engine.compression.powersgd import PowerSGD  # noqa: E402
 from hybrid_ray.models import GPT  # noqa: E402
 from hybrid_ray.models.gpt import GPT_SIZES  # noqa: E402
 

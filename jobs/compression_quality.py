@@ -35,7 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hybrid_ray.data import ensure_prepared, open_split  # noqa: E402
-from hybrid_ray.engine.compression import TopK  # noqa: E402
+from hybrid_ray.engine.compression.topk import TopK  # noqa: E402
 from hybrid_ray.engine.precision import is_norm  # noqa: E402
 from hybrid_ray.engine.schedulers import build_scheduler  # noqa: E402
 from hybrid_ray.lm.evaluate import evenly_spaced  # noqa: E402

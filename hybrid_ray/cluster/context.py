@@ -15,6 +15,10 @@ import torch.distributed as dist
 from hybrid_ray.engine.topology import Topology
 
 
+class StopTraining(Exception):
+    """Raised inside a training function to end it at a stop request (ctx.agree_to_stop())."""
+
+
 @dataclass
 class WorkerContext:
     """topology: this worker's place in the current group (process group already formed).

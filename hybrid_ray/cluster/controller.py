@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import ray
 
-from .config import FailureConfig, ScalingConfig
+from hybrid_ray.config.cluster import FailureConfig, ScalingConfig
 from .group import Member, WorkerGroup
 from .policy import FailurePolicy, ScalingPolicy, stalled
 from .worker import FAILED, FINISHED, RUNNING, STOPPED

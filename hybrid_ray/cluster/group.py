@@ -12,7 +12,7 @@ from typing import Any, Dict, List
 
 import ray
 
-from .config import ScalingConfig
+from hybrid_ray.config.cluster import ScalingConfig
 from .worker import Worker
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from .config import FailureConfig, ScalingConfig
+from hybrid_ray.config.cluster import FailureConfig, ScalingConfig
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from typing import Any, Callable, Optional
 
-from .config import FailureConfig, ScalingConfig
+from hybrid_ray.config.cluster import FailureConfig, ScalingConfig
 from .controller import Controller, Result
 
 

@@ -18,16 +18,12 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from hybrid_ray.engine import checkpoint_write
+from hybrid_ray.engine.checkpoint import write as checkpoint_write
 from hybrid_ray.engine.topology import Topology
 
-from .context import WorkerContext
+from .context import StopTraining, WorkerContext
 
 IDLE, RUNNING, FINISHED, STOPPED, FAILED = "idle", "running", "finished", "stopped", "failed"
-
-
-class StopTraining(Exception):
-    """Raised inside a training function to end it at a stop request (ctx.agree_to_stop())."""
 
 
 class Worker:

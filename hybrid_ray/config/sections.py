@@ -148,7 +148,7 @@ class ActivationCheckpointingConfig:
     """Turn activation checkpointing on."""
     module_pattern: Optional[str] = None
     """Regex fully matching qualified module names (`blocks\\.\\d+`) selecting the checkpointed
-    blocks; None: every child of every nn.ModuleList (hybrid_ray/engine/checkpointing.py)."""
+    blocks; None: every child of every nn.ModuleList (hybrid_ray/engine/activation_checkpointing.py)."""
     number_checkpoints: Optional[int] = checked(None, ge=1)
     """Checkpoint only this many of the selected modules, evenly spaced (None: all of them)."""
     cpu_checkpointing: bool = False

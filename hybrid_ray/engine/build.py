@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .flat import FlatSpace
-from .offload import cpu_optimizer_kwargs
+from .zero.flat import FlatSpace
+from .zero.offload import cpu_optimizer_kwargs
 from .topology import Topology
 
 ParamGroup = Tuple[List[nn.Parameter], Dict[str, Any]]  # parameters, per-group hyperparameters
@@ -86,7 +86,7 @@ def build_optimizer(opt_type: str, params: Dict[str, Any], master_groups: List[L
 
     Each master is one flat tensor, so even the foreach path is a handful of kernels; on CUDA
     the fused kernel does the whole update in one launch per dtype/device. An offloaded step
-    (`host_step`) uses torch's fused CPU kernel, several times faster there (offload.py).
+    (`host_step`) uses torch's fused CPU kernel, several times faster there (zero/offload.py).
     """
     cls = OPTIMIZERS[opt_type]
     kwargs = dict(params)

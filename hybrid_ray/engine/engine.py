@@ -24,17 +24,18 @@ import torch.nn as nn
 from ..config import Config, load_config
 from ..config.api import replace_section
 from ..config.loader import to_plain
-from . import build, relayout, stage3
-from .checkpointing import apply_activation_checkpointing
+from . import build
+from .zero import relayout, stage3
+from .activation_checkpointing import apply_activation_checkpointing
 from .compression import reduction_setup
 from .loss_scaler import LossScaler, NoLossScaler, build_loss_scaler
-from .offload import HostOffload
+from .zero.offload import HostOffload
 from .precision import HALF, PrecisionPolicy, autocast_region, cast_floating, dtype_of
-from .profiling import StepProfiler
-from .reducer import GradReducer
+from .flops.profiler import StepProfiler
+from .zero.reducer import GradReducer
 from .schedulers import build_scheduler
 from .topology import Topology
-from .zero import StepOutcome, ZeroOptimizer
+from .zero.optimizer import StepOutcome, ZeroOptimizer
 
 log = logging.getLogger("hybrid_ray")
 

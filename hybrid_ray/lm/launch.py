@@ -90,7 +90,7 @@ def main(argv: Optional[List[str]] = None, prog: str = "train_lm.py") -> int:
 def run_on_ray(args: argparse.Namespace, min_workers: int, max_workers: int) -> int:
     """The elastic run: a driver here, the ranks on Ray workers (always resuming: elastic runs
     continue from their newest checkpoint after every membership change)."""
-    from hybrid_ray.cluster.lm import run_elastic
+    from hybrid_ray.lm.elastic import run_elastic
     from hybrid_ray.lm.job import apply_overrides
 
     try:

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from hybrid_ray.data.prepare import bits_per_byte, split_entropy
 from hybrid_ray.engine.topology import Topology
 from hybrid_ray.lm.evaluate import all_sum, evaluate, generate
-from hybrid_ray.lm.coordination import DirectiveFollower
+from hybrid_ray.cluster.compression_follower import DirectiveFollower
 from hybrid_ray.lm.job import Job, for_world
 from hybrid_ray.lm.setup import (Run, RunContext, RunLog, build, checkpoint_dir, prepare_data,
                                  resume, set_threads)
@@ -159,7 +159,7 @@ def _send_flops_report(run: Run, log: RunLog) -> bool:
     if profile is None:
         return False
     if log.report is not None and log.rank == 0:
-        from hybrid_ray.engine.profile_report import format_report
+        from hybrid_ray.engine.flops.report import format_report
         log.report({"step": run.engine.global_steps, "flops_report": format_report(profile, module_depth=2)})
     return True
 

@@ -1,6 +1,6 @@
 """Profiling tools: the flops profiler (`get_model_profile`) and the training `Speedometer`.
 
-The measuring core lives in hybrid_ray/engine/flops.py, so the engine can profile a training step
+The measuring core lives in hybrid_ray/engine/flops/, so the engine can profile a training step
 without importing anything above it.
 """
 from .model_profile import get_model_profile

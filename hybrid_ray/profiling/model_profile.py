@@ -6,9 +6,9 @@ from typing import Any, Dict, Optional, Sequence, Tuple, Union
 import torch
 import torch.nn as nn
 
-from ..engine.flops import (FlopsCapture, LatencyTimer, Profile, add_latency, batch_shape,
-                            clock)
-from ..engine.profile_report import format_report, si
+from hybrid_ray.engine.flops.counter import (FlopsCapture, LatencyTimer, Profile, add_latency,
+                                             batch_shape, clock)
+from hybrid_ray.engine.flops.report import format_report, si
 
 Number = Union[int, str]
 

@@ -105,7 +105,7 @@ class Speedometer:
         return True
 
     def _watch_one_input(self) -> None:
-        from ..engine.flops import batch_shape
+        from hybrid_ray.engine.flops.counter import batch_shape
         module = getattr(self.engine, "module", None)
         if module is None:
             return

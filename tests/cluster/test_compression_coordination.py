@@ -45,7 +45,7 @@ def test_directives_apply_at_the_same_step_on_every_rank(ray_session, tmp_path):
 def test_lm_job_auto_compression_records_its_decisions(ray_session, tmp_path, monkeypatch, capsys):
     from mlflow.tracking import MlflowClient
 
-    from hybrid_ray.cluster.lm import run_elastic
+    from hybrid_ray.lm.elastic import run_elastic
     from tests.cluster.test_lm_on_ray import job
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"

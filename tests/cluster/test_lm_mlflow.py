@@ -11,7 +11,7 @@ import time
 import pytest
 from mlflow.tracking import MlflowClient
 
-from hybrid_ray.cluster.lm import run_elastic
+from hybrid_ray.lm.elastic import run_elastic
 from tests.cluster.test_lm_on_ray import data, job  # noqa: F401 - data is a fixture
 from tests.cluster.test_mlflow_tracker import server  # noqa: F401 - a fixture
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from hybrid_ray.cluster import ElasticTrainer, FailureConfig, ScalingConfig
-from hybrid_ray.cluster.lm import LMTrainFn, absolute_paths
+from hybrid_ray.lm.elastic import LMTrainFn, absolute_paths
 from tests.unit.test_lm_job import TINY
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]

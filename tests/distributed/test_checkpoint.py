@@ -7,8 +7,8 @@ from typing import Dict
 import pytest
 import torch
 
-from hybrid_ray.engine import relayout
-from hybrid_ray.engine.checkpoint_io import TENSOR_EXT
+from hybrid_ray.engine.zero import relayout
+from hybrid_ray.engine.checkpoint.storage import TENSOR_EXT
 from hybrid_ray.engine.engine import Engine
 from hybrid_ray.engine.topology import Topology
 from hybrid_ray.models import GPT

@@ -9,7 +9,7 @@ import safetensors.torch
 import torch
 
 from hybrid_ray.cli import main as cli
-from hybrid_ray.engine import checkpoint_write as cwrite
+from hybrid_ray.engine.checkpoint import write as cwrite
 from hybrid_ray.engine.checkpoint import CheckpointError
 from hybrid_ray.engine.engine import Engine
 from hybrid_ray.engine.topology import Topology

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from hybrid_ray.engine import comm
 from hybrid_ray.engine.engine import Engine
-from hybrid_ray.engine.powersgd import PowerSGD
+from hybrid_ray.engine.compression.powersgd import PowerSGD
 from hybrid_ray.engine.topology import Topology
 from hybrid_ray.models import GPT
 from tests.distributed import spawn

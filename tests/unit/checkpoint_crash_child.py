@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from hybrid_ray.engine import checkpoint_io as cio
-from hybrid_ray.engine import checkpoint_write as cwrite
+from hybrid_ray.engine.checkpoint import storage as cio
+from hybrid_ray.engine.checkpoint import write as cwrite
 from tests.unit.test_checkpoint import make, state, train
 
 

@@ -18,8 +18,9 @@ import torch.nn as nn
 
 import hybrid_ray
 from hybrid_ray import ConfigError, NotSupportedError, checkpoint_activations, load_config
-from hybrid_ray.engine import checkpointing
-from hybrid_ray.engine.checkpointing import is_checkpointed, remove_checkpointing, select_modules
+from hybrid_ray.engine import activation_checkpointing as checkpointing
+from hybrid_ray.engine.activation_checkpointing import (is_checkpointed, remove_checkpointing,
+                                                        select_modules)
 from hybrid_ray.models import GPT, GPT_SIZES
 
 SMALL = dataclasses.replace(GPT_SIZES["small"], dropout=0.1)

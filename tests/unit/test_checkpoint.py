@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from hybrid_ray.engine import relayout
+from hybrid_ray.engine.zero import relayout
 from hybrid_ray.engine.checkpoint import CheckpointError
 from hybrid_ray.engine.engine import Engine
 
@@ -135,7 +135,7 @@ def test_other_model_is_a_clear_error(tmp_path: Path) -> None:
 
 
 def test_copy_fallback_writes_manifest_last(tmp_path: Path) -> None:
-    from hybrid_ray.engine import checkpoint_io as cio
+    from hybrid_ray.engine.checkpoint import storage as cio
     engine = make()
     train(engine, range(1))
     engine.save_checkpoint(tmp_path / "a")

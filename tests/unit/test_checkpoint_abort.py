@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from hybrid_ray.engine import checkpoint_write
+from hybrid_ray.engine.checkpoint import write as checkpoint_write
 from hybrid_ray.engine.checkpoint import CheckpointError
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hybrid_ray.config import ConfigError, load_config
-from hybrid_ray.engine import checkpoint_write as cwrite
+from hybrid_ray.engine.checkpoint import write as cwrite
 from hybrid_ray.engine.checkpoint import CheckpointError
 from tests.unit.test_checkpoint import CFG, assert_equal_state, make, state, train
 
@@ -179,7 +179,7 @@ def test_checkpoint_section_is_validated(section: dict, message: str) -> None:
 
 
 def test_commit_gives_up_on_a_silent_rank_and_tells_the_others(tmp_path: Path) -> None:
-    from hybrid_ray.engine import checkpoint_io as cio
+    from hybrid_ray.engine.checkpoint import storage as cio
     fs, root = cio.filesystem(tmp_path)
     settings = load_config({"checkpoint": {"commit_timeout_s": 0.2}}).checkpoint
     rank0 = cwrite.SaveJob(fs, root, "t", "abcd", 0, 2, 5, settings, byte_files={"meta.json": b"{}"})
@@ -193,7 +193,7 @@ def test_commit_gives_up_on_a_silent_rank_and_tells_the_others(tmp_path: Path) -
 
 
 def test_host_buffers_share_one_allocation_and_are_reused() -> None:
-    from hybrid_ray.engine.checkpoint_state import HostBuffers
+    from hybrid_ray.engine.checkpoint.state import HostBuffers
     buffers = HostBuffers(pin=False)
     specs = [("a", torch.Size([3, 5]), torch.float32), ("b", torch.Size([]), torch.int64),
              ("c", torch.Size([7]), torch.bfloat16)]

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hybrid_ray.engine.checkpoint_retention import Candidate, to_delete
+from hybrid_ray.engine.checkpoint.retention import Candidate, to_delete
 from tests.unit.test_checkpoint import CFG, make, train
 
 

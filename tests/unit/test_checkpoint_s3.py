@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("moto.server", reason="moto[server] is not installed (pip install 'hybrid_ray[test]')")
 
 from hybrid_ray.cli import main as cli  # noqa: E402
-from hybrid_ray.engine import checkpoint_offline  # noqa: E402
+from hybrid_ray.engine.checkpoint import offline as checkpoint_offline  # noqa: E402
 from tests.unit.test_checkpoint import CFG, assert_equal_state, make, train  # noqa: E402
 
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",

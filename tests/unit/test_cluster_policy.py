@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from hybrid_ray.cluster.config import ClusterConfigError, FailureConfig, ScalingConfig
+from hybrid_ray.config.cluster import ClusterConfigError, FailureConfig, ScalingConfig
 from hybrid_ray.cluster.policy import FailurePolicy, ScalingPolicy, stalled
 
 

@@ -10,10 +10,11 @@ import torch.nn as nn
 
 from hybrid_ray.config import ConfigError, load_config
 from hybrid_ray.engine.comm import probe_bandwidth
-from hybrid_ray.engine.compression import CommStats, StepTimer, TopK
+from hybrid_ray.engine.compression.stats import CommStats, StepTimer
+from hybrid_ray.engine.compression.topk import TopK
 from hybrid_ray.engine.engine import Engine
-from hybrid_ray.engine.powersgd import PowerSGD, _Plan
-from hybrid_ray.engine.reducer import GradReducer
+from hybrid_ray.engine.compression.powersgd import PowerSGD, _Plan
+from hybrid_ray.engine.zero.reducer import GradReducer
 from hybrid_ray.engine.topology import Topology
 
 
@@ -176,7 +177,7 @@ def test_powersgd_residual_follows_loss_scale_and_overflow_drops_residual_and_q(
 
 
 def test_powersgd_initial_q_is_the_same_on_every_rank():
-    from hybrid_ray.engine.powersgd import _Matrix
+    from hybrid_ray.engine.compression.powersgd import _Matrix
     mat = _Matrix(0, 6, 5, 2)
     a = PowerSGD(2)._initial_q((1, 2), 0, mat, torch.device("cpu"))
     b = PowerSGD(2)._initial_q((1, 2), 0, mat, torch.device("cpu"))

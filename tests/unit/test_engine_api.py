@@ -141,7 +141,7 @@ def test_training_data_gives_a_loader_of_micro_batches() -> None:
     engine, _, loader, _ = hybrid_ray.initialize(mlp(), config=fp32_config(seed=7),
                                                  training_data=TensorDataset(xs, ys))
     # Like DeepSpeed's, not a torch DataLoader but a wrapper around one: it counts the batches it
-    # delivers, so checkpoints can save the data position (hybrid_ray/data/loader.py).
+    # delivers, so checkpoints can save the data position (hybrid_ray/data/dataloader.py).
     assert isinstance(loader, ResumableLoader) and engine.training_dataloader is loader
     batches = list(loader)
     assert len(batches) == len(loader) == 10

@@ -224,7 +224,7 @@ def test_containers_sum_children_and_tied_weights_count_once():
                 x = block(x)
             return self.head(x)
 
-    from hybrid_ray.engine.flops import FlopsCapture
+    from hybrid_ray.engine.flops.counter import FlopsCapture
     model = Tied()
     capture = FlopsCapture(model)
     capture.start()

@@ -10,7 +10,7 @@ import torch
 
 from hybrid_ray import ConfigError, NotSupportedError, load_config
 from hybrid_ray.engine.engine import Engine
-from hybrid_ray.engine.offload import cpu_optimizer_kwargs, frozen_hyperparameters
+from hybrid_ray.engine.zero.offload import cpu_optimizer_kwargs, frozen_hyperparameters
 from hybrid_ray.engine.topology import Topology
 from hybrid_ray.models import GPT
 from tests.distributed.test_offload import CFG, STEPS, batch, config, max_rel_err, params, reference
@@ -124,7 +124,7 @@ def test_cpu_optimizer_is_fused_and_hyperparameters_are_snapshotted() -> None:
 
 
 def test_large_cpu_gradient_norm_is_accurate() -> None:
-    from hybrid_ray.engine.zero import _ROWS_FROM, _cpu_square_sum
+    from hybrid_ray.engine.zero.optimizer import _ROWS_FROM, _cpu_square_sum
     torch.manual_seed(0)
     g = torch.randn(_ROWS_FROM + 12345) * 1e-3 + 1e-4  # rows path plus a tail
     exact = (g.double() ** 2).sum()

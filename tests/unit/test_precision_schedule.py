@@ -30,7 +30,7 @@ def train_step(engine: Engine, step: int) -> float:
 
 def snapshot(engine: Engine) -> dict:
     """Per-parameter fp32 masters and Adam moments, by name."""
-    from hybrid_ray.engine import relayout
+    from hybrid_ray.engine.zero import relayout
     state = relayout.export_state(engine.spaces, engine.zero.masters, engine.optimizer, engine.topology)
     return {n: state[id(p)] for n, p in engine.module.named_parameters()}
 

@@ -19,10 +19,10 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from . import checkpoint_io as cio
-from . import checkpoint_read as cread
-from . import relayout
-from .checkpoint_io import CheckpointError
+from . import storage as cio
+from . import read as cread
+from ..zero import relayout
+from .storage import CheckpointError
 
 Tensors = Dict[str, torch.Tensor]
 

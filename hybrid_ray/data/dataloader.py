@@ -8,14 +8,15 @@ same global sample index.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, Optional
 
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from hybrid_ray.engine.topology import Topology
-
 from .sampler import GlobalBatchSampler
+
+if TYPE_CHECKING:  # the data layer sits below the engine: only its rank, size and device are read
+    from hybrid_ray.engine.topology import Topology
 
 
 class ResumableLoader:

@@ -1,5 +1,5 @@
 """The workers' side of the driver's gradient-compression choice (`gradient_compression.type:
-auto` on Ray; hybrid_ray/cluster/coordinator.py is the driver's side).
+auto` on Ray; compression_driver.py is the driver's side).
 
 Every rank: measures the link when the group forms (rank 0 reports it), sums the exposed
 communication of each step, and at every logging step agrees with the others on the driver's

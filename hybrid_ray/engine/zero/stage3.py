@@ -28,9 +28,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import comm
+from .. import comm
 from .flat import FlatSpace
-from .topology import Topology
+from ..topology import Topology
 
 EXTERNAL_ATTR = "_hybrid_ray_external_params"
 

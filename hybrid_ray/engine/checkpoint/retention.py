@@ -12,8 +12,8 @@ import logging
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
-from . import checkpoint_io as cio
-from . import checkpoint_read as cread
+from . import storage as cio
+from . import read as cread
 
 log = logging.getLogger("hybrid_ray")
 

@@ -11,9 +11,9 @@ from typing import Dict, List
 
 import torch
 
-from . import comm
+from .. import comm
 from .flat import FlatSpace
-from .topology import Topology
+from ..topology import Topology
 
 ParamState = Dict[int, Dict[str, torch.Tensor]]  # id(param) -> {"master": t, "exp_avg": t, ...}
 

@@ -13,9 +13,9 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from . import checkpoint_io as cio
-from . import checkpoint_read as cread
-from .checkpoint_io import CheckpointError
+from . import storage as cio
+from . import read as cread
+from .storage import CheckpointError
 
 Tensors = Dict[str, torch.Tensor]
 

@@ -17,9 +17,9 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from ..config import FlopsProfilerConfig
-from .flops import FlopsCapture, LatencyTimer, Profile, add_latency, batch_shape, clock
-from .profile_report import format_report
+from hybrid_ray.config import FlopsProfilerConfig
+from .counter import FlopsCapture, LatencyTimer, Profile, add_latency, batch_shape, clock
+from .report import format_report
 
 log = logging.getLogger("hybrid_ray")
 

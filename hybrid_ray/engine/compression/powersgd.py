@@ -54,7 +54,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from .compression import BucketKey, ErrorFeedback, Layout
+from .base import BucketKey, ErrorFeedback, Layout
 
 
 

@@ -14,15 +14,15 @@ Layout of one checkpoint, `<root>/<tag>/`:
     rng-rank00001.json              rank r: its RNG states (torch, cuda, python, numpy)
     manifest.json                   rank 0, last: sha256 and size of every other file
 
-A save has two halves. The snapshot (checkpoint_state.py, on the training thread, collective)
+A save has two halves. The snapshot (state.py, on the training thread, collective)
 all-gathers the state one flat space at a time and copies this rank's share into host memory.
-The write and commit (checkpoint_write.py, no collective) serialise, checksum and write the files
+The write and commit (write.py, no collective) serialise, checksum and write the files
 into `<tag>.tmp-<token>/`; rank 0 commits with the manifest, a directory move and the `latest`
-pointer, then applies retention (checkpoint_retention.py). With `async_save` the second half runs
+pointer, then applies retention (retention.py). With `async_save` the second half runs
 on a background thread and training is blocked only for the snapshot; the next save, a load,
 `wait_checkpoint()` and `close()` wait for it, and its error surfaces there.
 
-Loading (rank 0 chooses and verifies, checkpoint_read.py) reads every file on every rank and
+Loading (rank 0 chooses and verifies, read.py) reads every file on every rank and
 imports it with `relayout.import_state`, so the loader's world size and stage may differ from the
 saver's. RNG states are restored only at an equal world size (rank r gets rank r's).
 """
@@ -34,11 +34,11 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from . import checkpoint_io as cio
-from . import checkpoint_read as cread
-from . import checkpoint_state as cstate
-from . import checkpoint_write as cwrite
-from .checkpoint_io import CheckpointError
+from . import storage as cio
+from . import read as cread
+from . import state as cstate
+from . import write as cwrite
+from .storage import CheckpointError
 
 Tensors = Dict[str, torch.Tensor]
 

@@ -17,8 +17,8 @@ from typing import Any, Callable, Dict, Mapping, Optional
 
 from hybrid_ray.lm.job import Job, for_world, load_job
 
-from .context import WorkerContext
-from .worker import StopTraining
+from hybrid_ray.cluster.context import WorkerContext
+from hybrid_ray.cluster.context import StopTraining
 
 
 def _is_uri(path: str) -> bool:
@@ -78,11 +78,11 @@ def run_elastic(raw: Mapping[str, Any], min_workers: int, max_workers: int,
     from hybrid_ray.config import ConfigError
     from hybrid_ray.data import ensure_prepared
 
-    from .config import ClusterConfigError, FailureConfig, ScalingConfig
-    from .controller import TrainingFailedError
-    from .coordinator import CompressionCoordinator
-    from .progress import ProgressReporter
-    from .trainer import ElasticTrainer, _connect
+    from hybrid_ray.config.cluster import ClusterConfigError, FailureConfig, ScalingConfig
+    from hybrid_ray.cluster.controller import TrainingFailedError
+    from hybrid_ray.cluster.compression_driver import CompressionCoordinator
+    from hybrid_ray.cluster.progress import ProgressReporter
+    from hybrid_ray.cluster.trainer import ElasticTrainer, _connect
 
     try:
         scaling = ScalingConfig(min_workers=min_workers, max_workers=max_workers,
@@ -177,7 +177,7 @@ def _finish_tracking(tracker, job: Job, result) -> None:
     """Final numbers, where the checkpoints are, the exported model; then close the run."""
     import tempfile
 
-    from hybrid_ray.engine.checkpoint_offline import export
+    from hybrid_ray.engine.checkpoint.offline import export
 
     r = result.value
     tracker.log_metrics({"final_val_loss": r.val_loss, "unigram_baseline": r.unigram_nats,

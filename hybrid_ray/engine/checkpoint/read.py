@@ -10,8 +10,8 @@ import logging
 from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional, Tuple
 
-from . import checkpoint_io as cio
-from .checkpoint_io import CheckpointError
+from . import storage as cio
+from .storage import CheckpointError
 
 log = logging.getLogger("hybrid_ray")
 FORMAT = "hybrid_ray.checkpoint/1"

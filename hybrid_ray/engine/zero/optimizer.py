@@ -25,11 +25,11 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from . import comm
+from .. import comm
 from .flat import FlatSpace
 from .offload import frozen_hyperparameters
 from .reducer import GradReducer
-from .topology import Topology
+from ..topology import Topology
 
 
 @dataclass(frozen=True)

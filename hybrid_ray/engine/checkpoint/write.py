@@ -24,11 +24,11 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from ..config import CheckpointConfig
-from . import checkpoint_io as cio
-from . import checkpoint_read as cread
-from . import checkpoint_retention as retention
-from .checkpoint_io import CheckpointError
+from hybrid_ray.config import CheckpointConfig
+from . import storage as cio
+from . import read as cread
+from . import retention
+from .storage import CheckpointError
 
 PART_BYTES = 1 << 30  # bounds the serialised copy each writer thread holds
 ABORT = "abort.json"

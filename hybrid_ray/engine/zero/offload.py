@@ -47,7 +47,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from ..config.sections import OffloadConfig
+from hybrid_ray.config.sections import OffloadConfig
 
 log = logging.getLogger("hybrid_ray")
 

@@ -16,8 +16,8 @@ With one rank nothing is reduced: the master gradient is one cast-copy of the fl
 A bucket's first reduction in a window overwrites its slice of the master gradient; later ones
 (stage 2's further micro-batches) add to it, so the master gradient is never zeroed.
 
-With `gradient_compression: topk` (compression.py) a bucket is exchanged as the (index, value)
-pairs of its largest entries, with `powersgd` (powersgd.py) as low-rank factors, instead of
+With `gradient_compression: topk` (compression/topk.py) a bucket is exchanged as the (index, value)
+pairs of its largest entries, with `powersgd` (compression/powersgd.py) as low-rank factors, instead of
 reduced densely; the sum lands in the master gradient the same way, so everything after the
 reduction is unchanged. `set_compression` switches the method between optimizer steps: the old
 method's error-feedback residuals are carried and added into each bucket's next reduction.
@@ -34,11 +34,12 @@ from typing import Callable, Dict, List, Optional, Set, Tuple
 import torch
 import torch.distributed as dist
 
-from . import comm
-from .compression import BucketKey, CommStats, ErrorFeedback, StepTimer
+from .. import comm
+from ..compression.base import BucketKey, ErrorFeedback
+from ..compression.stats import CommStats, StepTimer
 from .flat import Bucket, FlatSpace
 from .offload import HostOffload
-from .topology import Topology
+from ..topology import Topology
 
 
 class SpaceGrads:

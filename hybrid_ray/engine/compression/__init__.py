@@ -1,0 +1,41 @@
+"""Gradient compression for the data-parallel reduction (config `gradient_compression`).
+
+fp16/bf16 need no compressor: they set the reducer's reduction dtype (`reduction_setup`).
+topk.py sends each bucket's largest entries, powersgd.py low-rank factors of its matrices; both
+build on base.py (bucket keys, layouts, error-feedback residuals). stats.py times the reduction.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from ..precision import dtype_of
+from .base import BucketKey, ErrorFeedback, Layout
+from .powersgd import PowerSGD
+from .stats import CommStats, StepTimer
+from .topk import TopK
+
+__all__ = ["BucketKey", "CommStats", "ErrorFeedback", "Layout", "PowerSGD", "StepTimer", "TopK",
+           "build_compressor", "reduction_setup"]
+
+
+def build_compressor(gc) -> Optional[ErrorFeedback]:
+    """The compressor for a `gradient_compression` section (None: a dense reduction)."""
+    if gc.type == "topk":
+        return TopK(gc.topk_ratio, gc.warmup_steps, gc.error_feedback)
+    if gc.type == "powersgd":
+        return PowerSGD(gc.rank, gc.warmup_steps, gc.error_feedback)
+    return None
+
+
+def reduction_setup(config) -> Tuple[torch.dtype, Optional[ErrorFeedback], torch.dtype]:
+    """(reduction dtype, compressor, uncompressed dtype) for a Config.
+
+    fp16/bf16 compression is a half-precision reduction (the config refuses a contradiction
+    with communication_data_type); the uncompressed dtype is the baseline of the byte ratio.
+    """
+    gc, comm_dtype = config.gradient_compression, config.communication_data_type
+    dense = dtype_of(comm_dtype or "fp32")
+    reduce = dtype_of(gc.type) if gc.type in ("fp16", "bf16") else dense
+    return reduce, build_compressor(gc), dense

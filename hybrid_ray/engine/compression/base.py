@@ -1,0 +1,42 @@
+"""What every gradient compressor shares: bucket keys, layouts, and error-feedback residuals.
+
+Both compressors (topk.py, powersgd.py) implement the interface the reducer uses:
+`exchange(key, grad, lo, hi, group, layout) -> (bytes sent, finish)`, `on_step`, `residuals`.
+
+Residuals are in the units of the gradients the reducer sees (loss-scaled): the engine calls
+`on_step` after every optimizer step to rescale them when the loss scale moves and to drop
+them after an overflow (the sum that produced them held inf/NaN).
+"""
+from __future__ import annotations
+
+import math
+from typing import Dict, Sequence, Tuple
+
+import torch
+
+from .stats import StepTimer
+
+BucketKey = Tuple[int, int]  # (flat space index, bucket index)
+Layout = Sequence[Tuple[int, torch.Size]]  # (bucket-relative offset, shape) of each parameter
+
+
+class ErrorFeedback:
+    """Per-bucket fp32 residuals kept in the loss scale's units; the base of both compressors."""
+
+    def __init__(self, warmup_steps: int, error_feedback: bool):
+        self.warmup_steps, self.error_feedback = warmup_steps, error_feedback
+        self.residuals: Dict[BucketKey, torch.Tensor] = {}
+        self.step = 0  # optimizer steps seen (on_step), drives the warm-up
+        self.timer = StepTimer(torch.device("cpu"))  # the reducer hands in its own
+
+    def on_step(self, overflow: bool, scale_ratio: float) -> None:
+        """After an optimizer step: advance the warm-up; keep residuals in the new loss scale."""
+        self.step += 1
+        if overflow:
+            self.residuals.clear()
+        elif scale_ratio != 1.0:
+            for r in self.residuals.values():
+                r.mul_(scale_ratio)
+
+    def residual_norm(self) -> float:
+        return math.sqrt(sum(float(r.double().square().sum()) for r in self.residuals.values()))
