@@ -18,7 +18,6 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from hybrid_ray.engine.checkpoint import write as checkpoint_write
 from hybrid_ray.engine.topology import Topology
 
 from .context import StopTraining, WorkerContext
@@ -43,6 +42,8 @@ class Worker:
         self._thread: Optional[threading.Thread] = None
         self._result: Any = None
         self._directive: Optional[dict] = None  # the driver's newest (context.agree_on_directive)
+        # The current group's Topology.abort: set at teardown, it ends the engine's commit waits.
+        self._abort = threading.Event()
         self._monitor: Any = None  # hybrid_ray.tracking.system.SystemMonitor of this node
         self._monitor_label: Optional[str] = None
 
@@ -68,7 +69,7 @@ class Worker:
             self._step, self._step_time = -1, time.monotonic()
         self._stop.clear()
         self._directive = spec.get("directive")  # in force when this group formed
-        checkpoint_write.clear_abort()
+        self._abort = threading.Event()  # a new group: waits of the old one stay ended
         self._thread = threading.Thread(target=self._main, args=(fn, spec), daemon=True,
                                         name=f"hybrid-ray-train-g{spec['generation']}")
         self._thread.start()
@@ -76,7 +77,7 @@ class Worker:
     def _main(self, fn: Callable[[WorkerContext], Any], spec: Dict[str, Any]) -> None:
         state, error = FINISHED, None
         try:
-            topo = _join(spec)
+            topo = _join(spec, self._abort)
             ctx = WorkerContext(topo, spec["generation"], spec["storage_path"], spec["run_name"],
                                 self._report, self._beat, self._stop.is_set, lambda: self._directive)
             self._result = fn(ctx)
@@ -119,7 +120,7 @@ class Worker:
         """The group is being torn down: stop, and end any checkpoint commit wait now (a peer
         whose files it waits for may be gone)."""
         self._stop.set()
-        checkpoint_write.abort_waits()
+        self._abort.set()
 
     def wait_idle(self, timeout_s: float) -> bool:
         """Wait for the training thread to end; False if it is still running (frozen)."""
@@ -149,7 +150,7 @@ class Worker:
         self._report({"system_metrics": values, "node": self._monitor_label, "timestamp_ms": ts})
 
 
-def _join(spec: Dict[str, Any]) -> Topology:
+def _join(spec: Dict[str, Any], abort: threading.Event) -> Topology:
     """Form this generation's process group (fresh TCP rendezvous at the rank-0 worker)."""
     rank, world = spec["rank"], spec["world_size"]
     device = torch.device("cuda", 0) if spec["use_gpu"] else torch.device("cpu")
@@ -159,14 +160,14 @@ def _join(spec: Dict[str, Any]) -> Topology:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                       MASTER_ADDR=spec["master_addr"], MASTER_PORT=str(spec["master_port"]))
     if world == 1:
-        return Topology(0, 1, device, None)
+        return Topology(0, 1, device, None, abort)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                             init_method=f"tcp://{spec['master_addr']}:{spec['master_port']}",
                             rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=spec["collective_timeout_s"]))
-    return Topology(rank, world, device, dist.group.WORLD)
+    return Topology(rank, world, device, dist.group.WORLD, abort)
 
 
 def _leave(orderly: bool) -> None:

@@ -8,9 +8,10 @@ A training loop reads like DeepSpeed's:
         engine.backward(loss)
         engine.step()          # acts only at the accumulation boundary
 
-The parts live elsewhere: precision.py decides dtypes per module, flat.py lays parameters out in
-flat buckets, reducer.py moves gradients into fp32 master shards, zero.py steps the optimizer and
-gathers parameters back, loss_scaler.py scales fp16 losses.
+The parts live elsewhere: precision.py decides dtypes per module; zero/ lays parameters out in
+flat buckets (flat.py), moves gradients into fp32 master shards (reducer.py), steps the optimizer
+and gathers parameters back (optimizer.py); loss_scaler.py scales fp16 losses; checkpoint/ saves
+and loads the TrainState; accessors.py holds the DeepSpeed-compatible getters.
 """
 from __future__ import annotations
 
@@ -25,8 +26,9 @@ from ..config import Config, load_config
 from ..config.api import replace_section
 from ..config.loader import to_plain
 from . import build
-from .zero import relayout, stage3
+from .accessors import DeepSpeedAccessors
 from .activation_checkpointing import apply_activation_checkpointing
+from .checkpoint import Checkpointer, StepCounters, TrainState
 from .compression import reduction_setup
 from .loss_scaler import LossScaler, NoLossScaler, build_loss_scaler
 from .zero.offload import HostOffload
@@ -35,6 +37,7 @@ from .flops.profiler import StepProfiler
 from .zero.reducer import GradReducer
 from .schedulers import build_scheduler
 from .topology import Topology
+from .zero import relayout, stage3
 from .zero.optimizer import StepOutcome, ZeroOptimizer
 
 log = logging.getLogger("hybrid_ray")
@@ -44,7 +47,7 @@ class NonFiniteGradientError(RuntimeError):
     """Too many consecutive steps had inf/NaN gradients in a run without dynamic loss scaling."""
 
 
-class Engine:
+class Engine(DeepSpeedAccessors):
     """Wraps a model for mixed-precision, ZeRO-sharded data-parallel training."""
 
     def __init__(self, model: nn.Module, config: Any, model_parameters: Any = None,
@@ -54,10 +57,7 @@ class Engine:
         self.topology = topology or Topology.from_environment()
         self.batch = self.config.resolve_batch(self.topology.world_size)
         self.module = model.to(self.topology.device)
-        self.global_steps = 0
-        self.skipped_steps = 0
-        self.micro_steps = 0
-        self.global_samples = 0
+        self.counters = StepCounters()  # global_steps, micro_steps, ... (accessors.py)
         self._consecutive_skips = 0
         self._last: Optional[StepOutcome] = None
         self._window_open = False  # a backward since the last optimizer step
@@ -65,7 +65,8 @@ class Engine:
         # Set by initialize(training_data=...) or by the caller: a loader (or its sampler) with
         # state_dict()/load_state_dict() has its data position saved in checkpoints.
         self.training_dataloader: Any = None
-        self._checkpoint_saver = None  # checkpoint_write.BackgroundSaver, made by the first save
+        self.checkpointer = Checkpointer(self.topology, self.train_state, self.finish_delayed_update,
+                                         self._log)
         self._groups = build.param_groups(model, model_parameters, optimizer)
         self._build_precision(self._scheduled_dtype(0))
         self.checkpointing = apply_activation_checkpointing(self.module, self.config.activation_checkpointing)
@@ -293,11 +294,8 @@ class Engine:
         flight is waited for first; its error is raised once the engine is closed.
         """
         try:
-            self.wait_checkpoint()
+            self.checkpointer.close()
         finally:
-            if self._checkpoint_saver is not None:
-                self._checkpoint_saver.close()
-                self._checkpoint_saver = None
             self.flops_profiler.close()
             self.zero.close()
             self.checkpointing.remove()
@@ -320,15 +318,7 @@ class Engine:
         saving the weights. A no-op otherwise. Collective: every rank calls it."""
         self.zero.flush()
 
-    # ---- state and accessors ----------------------------------------------------------
-    def train(self, mode: bool = True) -> "Engine":
-        self.module.train(mode)
-        return self
-
-    def eval(self) -> "Engine":
-        self.module.eval()
-        return self
-
+    # ---- state ------------------------------------------------------------------------
     def consolidated_state_dict(self, dtype: torch.dtype = torch.float32,
                                 rank0_only: bool = True) -> dict:
         """The full model state on the CPU of rank 0 (every rank with rank0_only=False), from the
@@ -340,28 +330,35 @@ class Engine:
     def save_checkpoint(self, save_dir: str, tag: Optional[str] = None,
                         client_state: Optional[dict] = None, async_save: Optional[bool] = None) -> str:
         """Write a checkpoint (local path or pyarrow.fs URI) loadable at any world size and
-        ZeRO stage; see checkpoint.py. Collective: every rank calls it. async_save (default:
+        ZeRO stage; see checkpoint/. Collective: every rank calls it. async_save (default:
         config `checkpoint.async_save`) returns once the state is copied to host memory; the
         files are written and committed in the background (see wait_checkpoint)."""
-        from .checkpoint import save_checkpoint
-        return save_checkpoint(self, save_dir, tag, client_state, async_save)
+        return self.checkpointer.save(save_dir, tag, client_state, async_save)
 
     def wait_checkpoint(self) -> Optional[str]:
         """Block until this rank's asynchronous save is committed; its path (None if no save was
         in flight). Raises the save's CheckpointError, once. Not collective."""
-        from .checkpoint import wait_checkpoint
-        return wait_checkpoint(self)
+        return self.checkpointer.wait()
 
     def load_checkpoint(self, load_dir: str, tag: Optional[str] = None, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True, load_module_only: bool = False):
         """(path, client_state) of the checkpoint loaded (tag None: `latest`, falling back to the
         newest good one), or (None, None). Collective: every rank calls it."""
-        from .checkpoint import load_checkpoint
-        out = load_checkpoint(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
-                              load_module_only)
+        out = self.checkpointer.load(load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
+                                     load_module_only)
         if out[0] is not None:
             self._apply_schedule()
         return out
+
+    def train_state(self) -> TrainState:
+        """What a checkpoint saves and restores, as of now (the layout changes with a precision
+        switch, so it is built for each save and load)."""
+        return TrainState(module=self.module, spaces=self.spaces, masters=self.zero.masters,
+                          optimizer=self.optimizer, master_device=self.zero.master_device,
+                          topology=self.topology, config=self.config, precision=self.base_dtype,
+                          loss_scaler=self.loss_scaler, lr_scheduler=self.lr_scheduler,
+                          counters=self.counters, data_loader=self.training_dataloader,
+                          write_back=self.zero.write_back, log=self._log)
 
     def compression_stats(self) -> dict:
         """Gradient bytes this rank sent in the last optimizer step against the uncompressed
@@ -394,42 +391,3 @@ class Engine:
         self.config = replace_section(self.config, "gradient_compression", raw)
         self.reducer.set_compression(*reduction_setup(self.config))
         self._log(f"step {self.global_steps}: gradient_compression {old} -> {self.gradient_compression}")
-
-    def memory_breakdown(self) -> dict:
-        """Bytes held by this rank for parameters, gradients, masters and optimizer state."""
-        return self.zero.memory_breakdown()
-
-    def was_step_applied(self) -> bool:
-        return self._last is not None and self._last.applied
-
-    def get_global_grad_norm(self) -> Optional[float]:
-        return None if self._last is None else self._last.grad_norm
-
-    def get_lr(self) -> List[float]:
-        return [g["lr"] for g in self.optimizer.param_groups]
-
-    @property
-    def loss_scale(self) -> float:
-        return self._scaler.loss_scale
-
-    @property
-    def device(self) -> torch.device:
-        return self.topology.device
-
-    def train_batch_size(self) -> int:
-        return self.batch.train_batch_size
-
-    def train_micro_batch_size_per_gpu(self) -> int:
-        return self.batch.micro_batch_size
-
-    def gradient_accumulation_steps(self) -> int:
-        return self.batch.gradient_accumulation_steps
-
-    def parameters(self, recurse: bool = True):
-        return self.module.parameters(recurse)
-
-    def named_parameters(self, *args: Any, **kwargs: Any):
-        return self.module.named_parameters(*args, **kwargs)
-
-    def state_dict(self, *args: Any, **kwargs: Any):
-        return self.module.state_dict(*args, **kwargs)

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import datetime
 import os
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -22,12 +23,15 @@ class Topology:
     device: where the model and its flat buffers live.
     group: the process group for data-parallel collectives (None when world_size == 1 and no
       group exists; the engine then runs without any collective).
+    abort: set by whoever tears the group down (the Ray worker, when a peer is lost): waits that
+      depend on the other ranks, such as a checkpoint commit, end at once instead of timing out.
     """
 
     rank: int
     world_size: int
     device: torch.device
     group: Optional[dist.ProcessGroup] = None
+    abort: threading.Event = field(default_factory=threading.Event, compare=False, repr=False)
 
     @property
     def is_distributed(self) -> bool:

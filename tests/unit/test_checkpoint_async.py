@@ -49,7 +49,7 @@ def test_next_save_waits_for_the_previous_one(tmp_path: Path, gate) -> None:
     engine = make(cfg={**CFG, "checkpoint": {"async_save": True}})  # the config's default
     train(engine, range(1))
     engine.save_checkpoint(tmp_path)
-    assert engine._checkpoint_saver.busy
+    assert engine.checkpointer.busy
     threading.Timer(0.2, gate.set).start()
     train(engine, range(1, 2))
     engine.save_checkpoint(tmp_path)  # blocks until the first is committed, then starts

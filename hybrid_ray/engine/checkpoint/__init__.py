@@ -1,6 +1,6 @@
 """Checkpoints that load at any world size and ZeRO stage, survive crashes, save asynchronously.
 
-    checkpointer.py  the save/load face (collective parts; the layout of a checkpoint)
+    checkpointer.py  Checkpointer, an engine's save/load face (the layout of a checkpoint)
     state.py         what a checkpoint holds: snapshot of a live engine, and putting it back
     write.py         writing and committing one checkpoint, with no collective
     read.py          finding and verifying committed checkpoints
@@ -8,7 +8,8 @@
     retention.py     which old checkpoints to delete after a commit
     offline.py       inspect and export without an engine or a process group
 """
-from .checkpointer import load_checkpoint, save_checkpoint, wait_checkpoint
+from .checkpointer import Checkpointer
+from .state import StepCounters, TrainState
 from .storage import CheckpointError
 
-__all__ = ["CheckpointError", "load_checkpoint", "save_checkpoint", "wait_checkpoint"]
+__all__ = ["CheckpointError", "Checkpointer", "StepCounters", "TrainState"]

@@ -14,7 +14,8 @@ Layout of one checkpoint, `<root>/<tag>/`:
     rng-rank00001.json              rank r: its RNG states (torch, cuda, python, numpy)
     manifest.json                   rank 0, last: sha256 and size of every other file
 
-A save has two halves. The snapshot (state.py, on the training thread, collective)
+`Checkpointer` is an engine's save/load face: it owns the background saver and the cancel handle
+that ends its commit waits when the group is torn down. A save has two halves. The snapshot (state.py, on the training thread, collective)
 all-gathers the state one flat space at a time and copies this rank's share into host memory.
 The write and commit (write.py, no collective) serialise, checksum and write the files
 into `<tag>.tmp-<token>/`; rank 0 commits with the manifest, a directory move and the `latest`
@@ -29,76 +30,25 @@ saver's. RNG states are restored only at an equal world size (rank r gets rank r
 from __future__ import annotations
 
 import secrets
-from typing import Any, Dict, List, Optional, Tuple
+import threading
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
-from . import storage as cio
+from ..topology import Topology
 from . import read as cread
 from . import state as cstate
+from . import storage as cio
 from . import write as cwrite
+from .state import TrainState
 from .storage import CheckpointError
 
 Tensors = Dict[str, torch.Tensor]
 
-__all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "wait_checkpoint"]
-FORMAT, LATEST = cread.FORMAT, cread.LATEST
 
-
-# ---- collectives (no-ops on one rank) -----------------------------------------------------
-def _distributed(engine) -> bool:
-    return engine.topology.world_size > 1 and dist.is_initialized()
-
-
-def _broadcast(engine, obj: Any) -> Any:
-    if not _distributed(engine):
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0, group=engine.topology.group)
-    return box[0]
-
-
-def _gather(engine, obj: Any) -> List[Any]:
-    if not _distributed(engine):
-        return [obj]
-    out: List[Any] = [None] * engine.topology.world_size
-    dist.all_gather_object(out, obj, group=engine.topology.group)
-    return out
-
-
-def _agree(engine, error: Optional[str]) -> None:
-    """Raise the same CheckpointError on every rank if any rank failed (no rank left hanging)."""
-    errors = [e for e in _gather(engine, error) if e]
-    if errors:
-        raise CheckpointError(errors[0])
-
-
-def _saver(engine) -> cwrite.BackgroundSaver:
-    if getattr(engine, "_checkpoint_saver", None) is None:
-        engine._checkpoint_saver = cwrite.BackgroundSaver()
-    return engine._checkpoint_saver
-
-
-def _settle_previous(engine) -> None:
-    """Collective: wait for this rank's save in flight; every rank raises if any rank's failed."""
-    error = None
-    try:
-        wait_checkpoint(engine)
-    except CheckpointError as e:
-        error = f"the previous asynchronous save failed: {e}"
-    _agree(engine, error)
-
-
-def wait_checkpoint(engine) -> Optional[str]:
-    """Block until this rank's save in flight is committed; its path, or None if none was in
-    flight. Raises its CheckpointError (once). Not collective."""
-    saver = getattr(engine, "_checkpoint_saver", None)
-    return None if saver is None else saver.wait()
-
-
-# ---- save -------------------------------------------------------------------------------------
-def _check_client_state(client_state: Any) -> dict:
+def check_client_state(client_state: Any) -> dict:
+    """client_state as a dict that JSON can hold; CheckpointError otherwise."""
     client_state = {} if client_state is None else client_state
     if not isinstance(client_state, dict):
         raise CheckpointError(f"client_state must be a dict, got {type(client_state).__name__}")
@@ -110,68 +60,13 @@ def _check_client_state(client_state: Any) -> dict:
     return client_state
 
 
-def _check_tag(engine, tag: Optional[str]) -> str:
-    tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
-    if not tag or "/" in tag or tag == LATEST or cread.STAGING in tag:
+def check_tag(tag: Optional[str], global_steps: int) -> str:
+    tag = str(tag) if tag is not None else f"global_step{global_steps}"
+    if not tag or "/" in tag or tag == cread.LATEST or cread.STAGING in tag:
         raise CheckpointError(f"invalid checkpoint tag {tag!r}")
     return tag
 
 
-def _snapshot(engine, job: cwrite.SaveJob, client_state: dict, buffers: cstate.HostBuffers) -> None:
-    """Fill the job with this rank's share of the state, on the host (collective)."""
-    rank = engine.topology.rank
-    tensors, index = cstate.snapshot_params(engine, buffers)
-    job.tensor_files.update(cwrite.split_parts(f"{cread.PARAMS}{rank:05d}", tensors))
-    job.byte_files[f"rng-rank{rank:05d}.json"] = cio.json_bytes(cstate.rng_state(), compact=True)
-    if rank == 0:
-        extras, layout = cstate.snapshot_module_extras(engine, buffers)
-        if extras:
-            job.tensor_files.update(cwrite.split_parts(cread.EXTRAS, extras))
-        job.byte_files[cread.META] = cio.json_bytes(cstate.meta(engine, job.tag, client_state, index, layout))
-
-
-def save_checkpoint(engine, path_or_uri: str, tag: Optional[str] = None,
-                    client_state: Optional[dict] = None, async_save: Optional[bool] = None) -> str:
-    """Write a checkpoint; every rank calls it. Returns the checkpoint's path (with async_save,
-    the path it will have once committed: `wait_checkpoint()` says when)."""
-    client_state = _check_client_state(client_state)
-    tag = _check_tag(engine, tag)
-    settings = engine.config.checkpoint
-    async_save = settings.async_save if async_save is None else bool(async_save)
-    _settle_previous(engine)
-    engine.finish_delayed_update()
-    topo, saver = engine.topology, _saver(engine)
-    fs, root = cio.filesystem(path_or_uri)
-    job = cwrite.SaveJob(fs, root, tag, _broadcast(engine, secrets.token_hex(4)), topo.rank,
-                         topo.world_size, engine.global_steps, settings)
-    error = None
-    try:
-        if topo.rank == 0:
-            fs.create_dir(job.staging, recursive=True)
-    except OSError as e:
-        error = f"cannot create checkpoint directory {job.staging}: {e}"
-    _agree(engine, error)
-    if async_save and saver.buffers is None:
-        saver.buffers = cstate.HostBuffers(pin=engine.topology.device.type == "cuda")
-    buffers = saver.buffers if async_save else cstate.HostBuffers(pin=False)
-    try:
-        _snapshot(engine, job, client_state, buffers)
-    except CheckpointError as e:  # e.g. a data position that is not JSON, on rank 0
-        error = f"rank {topo.rank}: {e}"
-    _agree(engine, error)
-    if async_save:
-        saver.submit(job)
-        return job.final
-    try:
-        cwrite.run(job)
-    except Exception as e:  # noqa: BLE001 - every rank must raise together
-        error = str(e) if isinstance(e, CheckpointError) else f"rank {topo.rank}: {type(e).__name__}: {e}"
-    _agree(engine, error)
-    engine._log(f"saved checkpoint {job.final}")
-    return job.final
-
-
-# ---- load -------------------------------------------------------------------------------------
 def _read_state(fs, ckpt: str, rank: int) -> Tuple[dict, Tensors, Tensors, Optional[bytes]]:
     """(meta, parameter tensors, module extras, this rank's RNG bytes), every file verified."""
     manifest, small = cread.read_json_files(fs, ckpt)
@@ -184,40 +79,180 @@ def _read_state(fs, ckpt: str, rank: int) -> Tuple[dict, Tensors, Tensors, Optio
     return cio.json_from_bytes(small[cread.META]), saved, extras, small.get(f"rng-rank{rank:05d}.json")
 
 
-def load_checkpoint(engine, path_or_uri: str, tag: Optional[str] = None,
-                    load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-                    load_module_only: bool = False) -> Tuple[Optional[str], Optional[dict]]:
-    """Load a checkpoint saved at any world size/stage; every rank calls it.
+class Checkpointer:
+    """The checkpoints of one engine. Every method but `wait` and `cancel` is collective.
 
-    Returns (checkpoint path, rank 0's client_state), or (None, None) when there is none.
+    train_state: builds the engine's TrainState at the moment of a save or load.
+    settle: lands work in flight on the parameters first (a delayed offload update).
+    cancel: set when the group is being torn down (Topology.abort): commit waits for the files
+      of a peer that died end at once instead of after checkpoint.commit_timeout_s.
     """
-    _settle_previous(engine)
-    fs, root = cio.filesystem(path_or_uri)
-    chosen, error = None, None
-    if engine.topology.rank == 0:
+
+    def __init__(self, topology: Topology, train_state: Callable[[], TrainState],
+                 settle: Callable[[], None], log: Callable[..., None]):
+        self.topology, self._train_state, self._settle, self._log = topology, train_state, settle, log
+        self.cancel_event: threading.Event = topology.abort
+        self._saver: Optional[cwrite.BackgroundSaver] = None
+
+    # ---- collectives (no-ops on one rank) --------------------------------------------------
+    def _distributed(self) -> bool:
+        return self.topology.world_size > 1 and dist.is_initialized()
+
+    def _broadcast(self, obj: Any) -> Any:
+        if not self._distributed():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self.topology.group)
+        return box[0]
+
+    def _agree(self, error: Optional[str]) -> None:
+        """Raise the same CheckpointError on every rank if any rank failed (none left hanging)."""
+        errors = [error]
+        if self._distributed():
+            errors = [None] * self.topology.world_size
+            dist.all_gather_object(errors, error, group=self.topology.group)
+        errors = [e for e in errors if e]
+        if errors:
+            raise CheckpointError(errors[0])
+
+    # ---- the save in flight ------------------------------------------------------------------
+    @property
+    def busy(self) -> bool:
+        """An asynchronous save is still being written or committed."""
+        return self._saver is not None and self._saver.busy
+
+    def wait(self) -> Optional[str]:
+        """Block until this rank's save in flight is committed; its path, or None if none was in
+        flight. Raises its CheckpointError (once). Not collective."""
+        return None if self._saver is None else self._saver.wait()
+
+    def cancel(self) -> None:
+        """End this engine's commit waits now (and for the rest of its group's life)."""
+        self.cancel_event.set()
+
+    def _settle_previous(self) -> None:
+        """Collective: wait for this rank's save in flight; every rank raises if any rank's failed."""
+        error = None
         try:
-            chosen = cread.choose(fs, root, tag)
+            self.wait()
         except CheckpointError as e:
-            error = str(e)
-        except (OSError, ValueError, KeyError, TypeError) as e:  # reported to every rank, no hang
-            error = f"reading checkpoints under {root}: {type(e).__name__}: {e}"
-    chosen, error = _broadcast(engine, (chosen, error))
-    if error:
-        raise CheckpointError(error)
-    if chosen is None:
-        return None, None
-    ckpt = cio.join(root, chosen)
-    error, meta = None, {}
-    try:
-        meta, saved, extras, rng = _read_state(fs, ckpt, engine.topology.rank)
-        optimizer = load_optimizer_states and not load_module_only
-        scheduler = load_lr_scheduler_states and not load_module_only
-        cstate.apply(engine, saved, extras, rng, meta, optimizer, scheduler, load_module_only)
-    except (CheckpointError, KeyError, ValueError, RuntimeError, OSError) as e:
-        # every rank learns of a failure on any rank (none is left waiting in a collective)
-        kind = "" if isinstance(e, CheckpointError) else f"{type(e).__name__}: "
-        error = f"rank {engine.topology.rank}: loading {ckpt}: {kind}{e}"
-    _agree(engine, error)
-    engine._log(f"loaded checkpoint {ckpt} (saved by {meta['world_size']} rank(s), "
-                f"ZeRO stage {meta['zero_stage']})")
-    return ckpt, meta["client_state"]
+            error = f"the previous asynchronous save failed: {e}"
+        self._agree(error)
+
+    def close(self) -> None:
+        """Wait for the save in flight (its error is raised), then drop the thread and buffers."""
+        try:
+            self.wait()
+        finally:
+            if self._saver is not None:
+                self._saver.close()
+                self._saver = None
+
+    # ---- save -------------------------------------------------------------------------------
+    def _snapshot(self, ts: TrainState, job: cwrite.SaveJob, client_state: dict,
+                  buffers: cstate.HostBuffers) -> None:
+        """Fill the job with this rank's share of the state, on the host (collective)."""
+        rank = self.topology.rank
+        tensors, index = cstate.snapshot_params(ts, buffers)
+        job.tensor_files.update(cwrite.split_parts(f"{cread.PARAMS}{rank:05d}", tensors))
+        job.byte_files[f"rng-rank{rank:05d}.json"] = cio.json_bytes(cstate.rng_state(), compact=True)
+        if rank == 0:
+            extras, layout = cstate.snapshot_module_extras(ts, buffers)
+            if extras:
+                job.tensor_files.update(cwrite.split_parts(cread.EXTRAS, extras))
+            job.byte_files[cread.META] = cio.json_bytes(cstate.meta(ts, job.tag, client_state, index, layout))
+
+    def _start(self, path_or_uri: str, tag: str, ts: TrainState) -> cwrite.SaveJob:
+        """The save's job, with its staging directory made by rank 0 (collective)."""
+        topo = self.topology
+        fs, root = cio.filesystem(path_or_uri)
+        job = cwrite.SaveJob(fs, root, tag, self._broadcast(secrets.token_hex(4)), topo.rank,
+                             topo.world_size, ts.counters.global_steps, ts.config.checkpoint,
+                             cancel=self.cancel_event)
+        error = None
+        try:
+            if topo.rank == 0:
+                fs.create_dir(job.staging, recursive=True)
+        except OSError as e:
+            error = f"cannot create checkpoint directory {job.staging}: {e}"
+        self._agree(error)
+        return job
+
+    def save(self, path_or_uri: str, tag: Optional[str] = None, client_state: Optional[dict] = None,
+             async_save: Optional[bool] = None) -> str:
+        """Write a checkpoint; every rank calls it. Returns the checkpoint's path (with async_save,
+        the path it will have once committed: `wait()` says when)."""
+        client_state = check_client_state(client_state)
+        ts = self._train_state()
+        tag = check_tag(tag, ts.counters.global_steps)
+        self._settle_previous()
+        self._settle()
+        async_save = ts.config.checkpoint.async_save if async_save is None else bool(async_save)
+        job = self._start(path_or_uri, tag, ts)
+        if self._saver is None:
+            self._saver = cwrite.BackgroundSaver()
+        if async_save and self._saver.buffers is None:
+            self._saver.buffers = cstate.HostBuffers(pin=self.topology.device.type == "cuda")
+        buffers = self._saver.buffers if async_save else cstate.HostBuffers(pin=False)
+        error = None
+        try:
+            self._snapshot(ts, job, client_state, buffers)
+        except CheckpointError as e:  # e.g. a data position that is not JSON, on rank 0
+            error = f"rank {self.topology.rank}: {e}"
+        self._agree(error)
+        if async_save:
+            self._saver.submit(job)
+            return job.final
+        try:
+            cwrite.run(job)
+        except Exception as e:  # noqa: BLE001 - every rank must raise together
+            error = str(e) if isinstance(e, CheckpointError) else \
+                f"rank {self.topology.rank}: {type(e).__name__}: {e}"
+        self._agree(error)
+        self._log(f"saved checkpoint {job.final}")
+        return job.final
+
+    # ---- load -------------------------------------------------------------------------------
+    def _choose(self, root: str, fs, tag: Optional[str]) -> Optional[str]:
+        """Rank 0 chooses and verifies; every rank gets its choice, or its error."""
+        chosen, error = None, None
+        if self.topology.rank == 0:
+            try:
+                chosen = cread.choose(fs, root, tag)
+            except CheckpointError as e:
+                error = str(e)
+            except (OSError, ValueError, KeyError, TypeError) as e:  # reported to every rank, no hang
+                error = f"reading checkpoints under {root}: {type(e).__name__}: {e}"
+        chosen, error = self._broadcast((chosen, error))
+        if error:
+            raise CheckpointError(error)
+        return chosen
+
+    def load(self, path_or_uri: str, tag: Optional[str] = None, load_optimizer_states: bool = True,
+             load_lr_scheduler_states: bool = True, load_module_only: bool = False
+             ) -> Tuple[Optional[str], Optional[dict]]:
+        """Load a checkpoint saved at any world size/stage; every rank calls it.
+
+        Returns (checkpoint path, rank 0's client_state), or (None, None) when there is none.
+        """
+        self._settle_previous()
+        fs, root = cio.filesystem(path_or_uri)
+        chosen = self._choose(root, fs, tag)
+        if chosen is None:
+            return None, None
+        ckpt = cio.join(root, chosen)
+        error, meta = None, {}
+        try:
+            meta, saved, extras, rng = _read_state(fs, ckpt, self.topology.rank)
+            optimizer = load_optimizer_states and not load_module_only
+            scheduler = load_lr_scheduler_states and not load_module_only
+            cstate.apply(self._train_state(), saved, extras, rng, meta, optimizer, scheduler,
+                         load_module_only)
+        except (CheckpointError, KeyError, ValueError, RuntimeError, OSError) as e:
+            # every rank learns of a failure on any rank (none is left waiting in a collective)
+            kind = "" if isinstance(e, CheckpointError) else f"{type(e).__name__}: "
+            error = f"rank {self.topology.rank}: loading {ckpt}: {kind}{e}"
+        self._agree(error)
+        self._log(f"loaded checkpoint {ckpt} (saved by {meta['world_size']} rank(s), "
+                  f"ZeRO stage {meta['zero_stage']})")
+        return ckpt, meta["client_state"]

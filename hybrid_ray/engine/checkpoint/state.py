@@ -1,4 +1,4 @@
-"""What a checkpoint holds: taken from a live engine (a snapshot) and put back into one.
+"""What a checkpoint holds: taken from a live engine's TrainState (a snapshot) and put back into one.
 
 The snapshot runs on the training thread and is the only part of an asynchronous save that
 blocks training: parameter state is all-gathered space by space (collective) and copied into
@@ -12,19 +12,60 @@ outside the engine's flat spaces), so that an offline export is a complete `stat
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import sys
-from typing import Any, Dict, List, Optional, Tuple
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
+import torch.nn as nn
 
-from . import storage as cio
-from . import read as cread
+from hybrid_ray.config import Config
+
+from ..topology import Topology
 from ..zero import relayout
+from ..zero.flat import FlatSpace
+from . import read as cread
+from . import storage as cio
 from .storage import CheckpointError
 
 Tensors = Dict[str, torch.Tensor]
+
+
+@dataclass
+class StepCounters:
+    """The engine's progress counters; a checkpoint saves and restores them as they are."""
+
+    global_steps: int = 0  # optimizer steps taken (skipped ones included)
+    skipped_steps: int = 0  # steps skipped for an fp16 overflow or a non-finite norm
+    micro_steps: int = 0  # forward/backward/step calls
+    global_samples: int = 0  # samples consumed by all ranks together
+
+
+@dataclass(frozen=True)
+class TrainState:
+    """What a checkpoint saves from an engine and restores into it, named one by one.
+
+    The engine builds one for each save and load (`Engine.train_state()`): a precision switch
+    re-lays the parameters out into new flat spaces and masters, so none is kept between calls.
+    """
+
+    module: nn.Module
+    spaces: Sequence[FlatSpace]  # the flat parameter spaces, in order
+    masters: Sequence[torch.Tensor]  # this rank's fp32 master shard of each space
+    optimizer: torch.optim.Optimizer  # steps the masters; holds per-element state by master
+    master_device: torch.device  # where the masters live (the host with optimizer offload)
+    topology: Topology
+    config: Config
+    precision: str  # the base dtype in force ("bf16", "fp16", "fp32")
+    loss_scaler: Any  # state_dict()/load_state_dict()
+    lr_scheduler: Any  # None, or state_dict()/load_state_dict()
+    counters: StepCounters  # restored in place
+    data_loader: Any  # training_dataloader: its (or its sampler's) state_dict is the data position
+    write_back: Callable[[], None]  # copy the masters into the model's parameters
+    log: Callable[..., None]  # (message, level=INFO) on rank 0
 
 
 class HostBuffers:
@@ -79,27 +120,27 @@ class HostBuffers:
 
 
 # ---- parameter state -------------------------------------------------------------------------
-def param_names(engine) -> Dict[int, str]:
+def param_names(ts: TrainState) -> Dict[int, str]:
     """id(param) -> name, tied parameters once under their first name."""
-    return {id(p): n for n, p in engine.module.named_parameters()}
+    return {id(p): n for n, p in ts.module.named_parameters()}
 
 
-def _per_element_keys(engine, master: torch.Tensor) -> List[str]:
-    state = engine.optimizer.state.get(master, {})
+def _per_element_keys(ts: TrainState, master: torch.Tensor) -> List[str]:
+    state = ts.optimizer.state.get(master, {})
     return sorted(k for k, v in state.items() if torch.is_tensor(v) and v.shape == master.shape)
 
 
-def snapshot_params(engine, buffers: HostBuffers) -> Tuple[Tensors, List[dict]]:
+def snapshot_params(ts: TrainState, buffers: HostBuffers) -> Tuple[Tensors, List[dict]]:
     """This rank's share of the per-parameter state on the host, and the index of all of it."""
-    topo, names = engine.topology, param_names(engine)
-    ordered = sorted(names[id(p)] for s in engine.spaces for p in s.params)
+    topo, names = ts.topology, param_names(ts)
+    ordered = sorted(names[id(p)] for s in ts.spaces for p in s.params)
     owner = {n: i % topo.world_size for i, n in enumerate(ordered)}
     out: Tensors = {}
     index: List[dict] = []
     per_space = []
-    for space, master in zip(engine.spaces, engine.zero.masters):
+    for space, master in zip(ts.spaces, ts.masters):
         tensors = {"master": master.detach()}
-        tensors.update({k: engine.optimizer.state[master][k] for k in _per_element_keys(engine, master)})
+        tensors.update({k: ts.optimizer.state[master][k] for k in _per_element_keys(ts, master)})
         per_space.append((space, tensors))
     buffers.reserve("params", [(f"{names[id(p)]}/{key}", space.shapes[id(p)], t.dtype)
                                for space, tensors in per_space for key, t in tensors.items()
@@ -120,18 +161,18 @@ def snapshot_params(engine, buffers: HostBuffers) -> Tuple[Tensors, List[dict]]:
     return out, index
 
 
-def snapshot_module_extras(engine, buffers: HostBuffers) -> Tuple[Tensors, dict]:
+def snapshot_module_extras(ts: TrainState, buffers: HostBuffers) -> Tuple[Tensors, dict]:
     """Rank 0's persistent buffers and frozen parameters, and how to rebuild the state_dict keys.
 
     Returns (tensors, layout) with layout = {"state_dict_keys": [...], "aliases": {tied name:
     first name}, "buffers": [...]}: the offline export emits exactly `module.state_dict()`'s keys.
     """
-    module, first = engine.module, param_names(engine)
+    module, first = ts.module, param_names(ts)
     aliases = {n: first[id(p)] for n, p in module.named_parameters(remove_duplicate=False)
                if first[id(p)] != n}
     keys = list(module.state_dict(keep_vars=True).keys())
     param_keys = {n for n, _ in module.named_parameters(remove_duplicate=False)}
-    trained = {first[id(p)] for s in engine.spaces for p in s.params}
+    trained = {first[id(p)] for s in ts.spaces for p in s.params}
     extras: Tensors = {}
     for name, p in module.named_parameters():
         if name not in trained:  # frozen: outside the flat spaces
@@ -184,13 +225,13 @@ def _stateful(obj: Any) -> bool:
     return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
 
 
-def data_source(engine) -> Tuple[Optional[str], Any]:
+def data_source(ts: TrainState) -> Tuple[Optional[str], Any]:
     """('loader' | 'sampler' | 'batch_sampler', object) holding the data position, or (None, None).
 
     Duck-typed: the first of the engine's training_dataloader, its sampler, its batch_sampler
     with both state_dict() and load_state_dict().
     """
-    loader = getattr(engine, "training_dataloader", None)
+    loader = ts.data_loader
     if loader is None:
         return None, None
     for where, obj in (("loader", loader), ("sampler", getattr(loader, "sampler", None)),
@@ -200,10 +241,10 @@ def data_source(engine) -> Tuple[Optional[str], Any]:
     return None, None
 
 
-def data_state(engine) -> Optional[dict]:
+def data_state(ts: TrainState) -> Optional[dict]:
     """The data position, JSON-checked. Rank 0's: the position is global (a sampler resumable by
     global sample index gives every rank its share of the next batch from it)."""
-    where, obj = data_source(engine)
+    where, obj = data_source(ts)
     if obj is None:
         return None
     state = obj.state_dict()
@@ -215,46 +256,45 @@ def data_state(engine) -> Optional[dict]:
     return {"source": where, "state": state}
 
 
-def restore_data_state(engine, saved: Optional[dict]) -> None:
+def restore_data_state(ts: TrainState, saved: Optional[dict]) -> None:
     if saved is None:
         return
-    where, obj = data_source(engine)
+    where, obj = data_source(ts)
     if obj is None or where != saved["source"]:
-        engine._log(f"checkpoint holds a data position (from the {saved['source']}) but the engine's "
-                    f"training_dataloader has no such state_dict(): data position not restored",
-                    logging.WARNING)
+        ts.log(f"checkpoint holds a data position (from the {saved['source']}) but the engine's "
+               f"training_dataloader has no such state_dict(): data position not restored",
+               logging.WARNING)
         return
     obj.load_state_dict(saved["state"])
 
 
-def meta(engine, tag: str, client_state: dict, index: List[dict], layout: dict) -> dict:
+def meta(ts: TrainState, tag: str, client_state: dict, index: List[dict], layout: dict) -> dict:
     """Everything rank 0 saves as JSON: run description, counters, small states."""
-    scalars = relayout.scalar_state(engine.optimizer, engine.zero.masters)
-    scheduler = engine.lr_scheduler
+    scalars = relayout.scalar_state(ts.optimizer, ts.masters)
+    scheduler = ts.lr_scheduler
     return {
-        "format": cread.FORMAT, "tag": tag, "world_size": engine.topology.world_size,
-        "zero_stage": engine.config.zero_optimization.stage, "precision": engine.base_dtype,
-        "config": engine.config.to_dict(),
-        "counters": {k: getattr(engine, k) for k in
-                     ("global_steps", "skipped_steps", "micro_steps", "global_samples")},
-        "loss_scaler": engine.loss_scaler.state_dict(),
+        "format": cread.FORMAT, "tag": tag, "world_size": ts.topology.world_size,
+        "zero_stage": ts.config.zero_optimization.stage, "precision": ts.precision,
+        "config": ts.config.to_dict(),
+        "counters": dataclasses.asdict(ts.counters),
+        "loss_scaler": ts.loss_scaler.state_dict(),
         "lr_scheduler": scheduler.state_dict() if scheduler is not None and
         hasattr(scheduler, "state_dict") else None,
         "optimizer_scalars": {k: json_scalar(v) for k, v in scalars.items()},
-        "client_state": client_state, "params": index, "data": data_state(engine),
+        "client_state": client_state, "params": index, "data": data_state(ts),
         "module": layout,
     }
 
 
 # ---- load --------------------------------------------------------------------------------------
-def _param_state(engine, saved: Tensors, optimizer_states: bool) -> relayout.ParamState:
-    names = param_names(engine)
+def _param_state(ts: TrainState, saved: Tensors, optimizer_states: bool) -> relayout.ParamState:
+    names = param_names(ts)
     keys_of: Dict[str, set] = {}
     for key in saved:
         name, _, what = key.rpartition("/")
         keys_of.setdefault(name, set()).add(what)
     state: relayout.ParamState = {}
-    for space in engine.spaces:
+    for space in ts.spaces:
         for p in space.params:
             name = names[id(p)]
             keys = ["master"] + (sorted(keys_of.get(name, set()) - {"master"}) if optimizer_states else [])
@@ -267,9 +307,9 @@ def _param_state(engine, saved: Tensors, optimizer_states: bool) -> relayout.Par
     return state
 
 
-def _restore_module_extras(engine, extras: Tensors) -> None:
+def _restore_module_extras(ts: TrainState, extras: Tensors) -> None:
     """Frozen parameters and persistent buffers, where the model has them at the same shape."""
-    module = engine.module
+    module = ts.module
     targets = dict(module.named_parameters())
     targets.update(dict(module.named_buffers()))
     with torch.no_grad():
@@ -281,27 +321,27 @@ def _restore_module_extras(engine, extras: Tensors) -> None:
             target.copy_(value)
 
 
-def apply(engine, saved: Tensors, extras: Tensors, rng: Optional[bytes], meta: dict,
+def apply(ts: TrainState, saved: Tensors, extras: Tensors, rng: Optional[bytes], meta: dict,
           optimizer_states: bool, scheduler_state: bool, module_only: bool) -> None:
     """Put a checkpoint's state into a (possibly differently laid out) engine."""
     scalars = {}
     if optimizer_states:
-        device = engine.zero.master_device
+        device = ts.master_device
         scalars = {k: from_json_scalar(v, device) for k, v in meta["optimizer_scalars"].items()}
-    state = _param_state(engine, saved, optimizer_states)
-    relayout.import_state(engine.spaces, engine.zero.masters, engine.optimizer, state, scalars)
-    engine.zero.write_back()  # the model's parameters from the loaded masters
-    _restore_module_extras(engine, extras)
+    state = _param_state(ts, saved, optimizer_states)
+    relayout.import_state(ts.spaces, ts.masters, ts.optimizer, state, scalars)
+    ts.write_back()  # the model's parameters from the loaded masters
+    _restore_module_extras(ts, extras)
     if module_only:
         return
-    engine.loss_scaler.load_state_dict(meta["loss_scaler"])
-    if scheduler_state and meta["lr_scheduler"] is not None and engine.lr_scheduler is not None:
-        engine.lr_scheduler.load_state_dict(meta["lr_scheduler"])
+    ts.loss_scaler.load_state_dict(meta["loss_scaler"])
+    if scheduler_state and meta["lr_scheduler"] is not None and ts.lr_scheduler is not None:
+        ts.lr_scheduler.load_state_dict(meta["lr_scheduler"])
     for key, value in meta["counters"].items():
-        setattr(engine, key, value)
-    restore_data_state(engine, meta.get("data"))
-    if meta["world_size"] == engine.topology.world_size and rng is not None:
+        setattr(ts.counters, key, value)
+    restore_data_state(ts, meta.get("data"))
+    if meta["world_size"] == ts.topology.world_size and rng is not None:
         set_rng_state(cio.json_from_bytes(rng))
-    elif meta["world_size"] != engine.topology.world_size:
-        engine._log(f"checkpoint saved by {meta['world_size']} rank(s), loaded by "
-                    f"{engine.topology.world_size}: RNG states not restored")
+    elif meta["world_size"] != ts.topology.world_size:
+        ts.log(f"checkpoint saved by {meta['world_size']} rank(s), loaded by "
+               f"{ts.topology.world_size}: RNG states not restored")

@@ -49,6 +49,10 @@ class SaveJob:
     settings: CheckpointConfig
     tensor_files: Dict[str, Dict[str, torch.Tensor]] = field(default_factory=dict)
     byte_files: Dict[str, bytes] = field(default_factory=dict)
+    # Set when the group is torn down (the engine's Checkpointer.cancel_event): a rank waiting
+    # for the files of a peer that died would otherwise wait commit_timeout_s, and look frozen
+    # to the driver meanwhile.
+    cancel: threading.Event = field(default_factory=threading.Event)
 
     @property
     def staging(self) -> str:
@@ -104,29 +108,16 @@ def _marker(rank: int) -> str:
 
 
 # ---- steps 2 and 3: agreeing through files --------------------------------------------------------
-# Set by a supervisor (the Ray worker tearing its group down) to end every commit wait of this
-# process at once: a rank waiting for the files of a peer that died would otherwise wait
-# commit_timeout_s, and look frozen to the driver meanwhile.
-_ABORT = threading.Event()
-
-
-def abort_waits() -> None:
-    """Make every commit wait in this process fail now (and until clear_abort)."""
-    _ABORT.set()
-
-
-def clear_abort() -> None:
-    _ABORT.clear()
-
-
-def _poll(what: Callable[[], Optional[Any]], timeout_s: float, waiting_for: str) -> Any:
-    """Call `what` until it returns something, backing off from 20 ms to 0.5 s between calls."""
+def _poll(what: Callable[[], Optional[Any]], timeout_s: float, waiting_for: str,
+          cancel: threading.Event) -> Any:
+    """Call `what` until it returns something, backing off from 20 ms to 0.5 s between calls;
+    CheckpointError once timeout_s has passed or `cancel` is set."""
     deadline, delay = time.monotonic() + timeout_s, 0.02
     while True:
         got = what()
         if got is not None:
             return got
-        if _ABORT.is_set():
+        if cancel.is_set():
             raise CheckpointError(f"stopped waiting for {waiting_for}: the run is being torn down")
         if time.monotonic() > deadline:
             raise CheckpointError(f"gave up after {timeout_s:g} s waiting for {waiting_for} "
@@ -158,7 +149,8 @@ def _collect_markers(job: SaveJob, entries: Entries) -> Entries:
             pending.discard(r)
         return True if not pending else None
 
-    _poll(arrived, job.settings.commit_timeout_s, f"the files of ranks {sorted(pending)} in {job.staging}")
+    waiting_for = f"the files of ranks {sorted(pending)} in {job.staging}"
+    _poll(arrived, job.settings.commit_timeout_s, waiting_for, job.cancel)
     for r in range(1, job.world_size):
         job.fs.delete_file(cio.join(job.staging, _marker(r)))
     return entries
@@ -191,7 +183,7 @@ def _await_commit(job: SaveJob) -> None:
         return None
 
     # Rank 0 may itself wait commit_timeout_s for a slow rank before it aborts: wait longer.
-    _poll(outcome, 2 * job.settings.commit_timeout_s, f"rank 0 to commit {job.final}")
+    _poll(outcome, 2 * job.settings.commit_timeout_s, f"rank 0 to commit {job.final}", job.cancel)
 
 
 def run(job: SaveJob) -> str:
@@ -225,7 +217,7 @@ def run(job: SaveJob) -> str:
 
 
 class BackgroundSaver:
-    """At most one save in flight per engine, on one background thread.
+    """At most one save in flight per engine (its Checkpointer owns it), on one background thread.
 
     The thread is not a daemon: an interpreter that exits waits for the save in flight.
     """
