@@ -11,18 +11,19 @@ from __future__ import annotations
 
 from typing import Callable, Mapping, Optional
 
-from .compression_policy import CompressionPolicy, Decision, Interval, candidates, describe
+from .compression_policy import (CompressionPolicy, Decision, Interval, Section, candidates, describe,
+                                 section)
 
 
 class CompressionCoordinator:
-    def __init__(self, section: Mapping, send: Callable[[dict], None], event: Callable[[str], None],
+    def __init__(self, settings: Section, send: Callable[[dict], None], event: Callable[[str], None],
                  tag: Callable[[str], None] = lambda setting: None, intervals: int = 2):
-        """section: the job's engine `gradient_compression` section; type `auto` lets the driver
-        choose (from bf16, top-k at its topk_ratio, PowerSGD at its rank), any other is pinned.
-        send: deliver a directive to every worker; event: say a decision and why; tag: record
-        the setting now in force (MLflow tag)."""
-        self.section = dict(section)
-        self.auto = self.section.get("type") == "auto"
+        """settings: the job's validated engine `gradient_compression` section; type `auto` lets
+        the driver choose (from bf16, top-k at its topk_ratio, PowerSGD at its rank), any other
+        is pinned. send: deliver a directive to every worker; event: say a decision and why;
+        tag: record the setting now in force (MLflow tag)."""
+        self.section = section(settings)
+        self.auto = self.section.type == "auto"
         self.send, self.event, self.tag = send, event, tag
         self.policy = CompressionPolicy(candidates(self.section), intervals=intervals) if self.auto else None
         self._said_pinned = False
@@ -53,7 +54,7 @@ class CompressionCoordinator:
         self.event(f"compression: {decision.reason}")
 
     def _pinned_once(self) -> None:
-        if self._said_pinned or self.section.get("type", "none") == "none":
+        if self._said_pinned or self.section.type == "none":
             return
         self._said_pinned = True
         self.event(f"compression: {describe(self.section)} pinned by the job; the driver leaves it")

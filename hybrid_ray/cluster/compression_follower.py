@@ -12,12 +12,7 @@ from typing import Callable, Optional
 
 from hybrid_ray.engine import comm
 
-
-def _describe(setting: dict) -> str:
-    # Imported when first needed, under Ray: the hybrid_ray.cluster package imports Ray, and
-    # this loop also runs under torchrun without it.
-    from hybrid_ray.cluster.compression_policy import describe
-    return describe(setting)
+from .compression_policy import describe
 
 
 class DirectiveFollower:
@@ -54,5 +49,5 @@ class DirectiveFollower:
             return
         self.engine.set_gradient_compression(directive["setting"])
         self.applied_id = directive["id"]
-        self.say(f"step {step}: gradient compression now {_describe(directive['setting'])} "
+        self.say(f"step {step}: gradient compression now {describe(directive['setting'])} "
                  f"(driver: {directive['reason']})")

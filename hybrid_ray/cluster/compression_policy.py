@@ -21,13 +21,26 @@ a directive the workers apply at the same step (context.agree_on_directive).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Mapping, Optional, Union
+
+from hybrid_ray.config import CompressionConfig
+from hybrid_ray.config.loader import load_dataclass, to_plain
 
 DENSE: Dict = {"type": "none"}
+Section = Union[CompressionConfig, Mapping]
 
 
-def describe(setting: Dict) -> str:
+def section(auto: Section) -> CompressionConfig:
+    """The validated `gradient_compression` section (a mapping goes through the config loader)."""
+    if isinstance(auto, CompressionConfig):
+        return auto
+    return load_dataclass(CompressionConfig, auto, "gradient_compression")
+
+
+def describe(setting: Section) -> str:
     """'dense', 'bf16', 'topk 0.01', 'powersgd rank 4'."""
+    if isinstance(setting, CompressionConfig):
+        setting = to_plain(setting)
     kind = setting.get("type", "none")
     if kind == "none":
         return "dense"
@@ -38,14 +51,15 @@ def describe(setting: Dict) -> str:
     return kind
 
 
-def candidates(auto: Dict) -> List[Dict]:
+def candidates(auto: Section) -> List[Dict]:
     """What `gradient_compression: {type: auto, ...}` lets the driver choose from: bf16, top-k at
-    the given topk_ratio, PowerSGD at the given rank (each with the section's other keys)."""
-    common = {k: v for k, v in auto.items() if k in ("warmup_steps", "error_feedback")}
-    out = [{"type": "bf16"},
-           {"type": "topk", "topk_ratio": auto.get("topk_ratio", 0.01), **common},
-           {"type": "powersgd", "rank": auto.get("rank", 4), **common}]
-    return out
+    the section's topk_ratio, PowerSGD at its rank, each with its warmup_steps and error_feedback
+    (the config's defaults where the job sets none: topk_ratio 0.01, rank 1)."""
+    auto = section(auto)
+    common = {"warmup_steps": auto.warmup_steps, "error_feedback": auto.error_feedback}
+    return [{"type": "bf16"},
+            {"type": "topk", "topk_ratio": auto.topk_ratio, **common},
+            {"type": "powersgd", "rank": auto.rank, **common}]
 
 
 @dataclass(frozen=True)

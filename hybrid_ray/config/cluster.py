@@ -1,53 +1,48 @@
 """What the user tells the elastic trainer: how many workers, on what, and how much failure to bear.
 
-Plain frozen dataclasses checked on construction; a bad value raises ClusterConfigError naming
-the field (`scaling.min_workers: ...`), like the engine's config errors.
+Frozen dataclasses like every other config section, checked by the same loader whether they are
+built in Python or loaded from a file: a bad value raises ConfigError naming the key
+(`scaling.min_workers: out of range; got 0; allowed: >= 1`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Dict, Literal, Optional
 
-PLACEMENT = ("PACK", "SPREAD")
+from hybrid_ray.config.errors import ConfigError, Verbatim, config_error
+from hybrid_ray.config.loader import check_fields, checked
 
-
-class ClusterConfigError(ValueError):
-    """A scaling or failure setting is invalid; the message starts with its key."""
-
-
-def _need(ok: bool, key: str, msg: str) -> None:
-    if not ok:
-        raise ClusterConfigError(f"{key}: {msg}")
+# The Ray layer's settings fail like every other section; the old name stays importable.
+ClusterConfigError = ConfigError
 
 
 @dataclass(frozen=True)
 class ScalingConfig:
-    """How many workers and what each one holds.
+    """How many workers and what each one holds."""
 
-    min_workers/max_workers: the group shrinks to min_workers on losses and grows toward
-      max_workers when the cluster has room (at a checkpoint boundary).
-    use_gpu: each worker owns one GPU (NCCL); otherwise CPUs (gloo).
-    resources_per_worker: Ray resources per worker; default {"CPU": 1} (+ {"GPU": 1} with use_gpu).
-    placement_strategy: PACK (fill nodes first) or SPREAD (one worker per node where possible).
-    """
-
-    min_workers: int = 1
-    max_workers: int = 1
+    min_workers: int = checked(1, ge=1)
+    """The smallest group the run goes on with: it shrinks to this on losses."""
+    max_workers: int = checked(1, ge=1)
+    """The largest group: it grows toward this when the cluster has room (at a checkpoint)."""
     use_gpu: bool = False
+    """Each worker owns one GPU (NCCL); otherwise some CPUs (gloo)."""
     resources_per_worker: Optional[Dict[str, float]] = None
-    placement_strategy: str = "PACK"
+    """Ray resources per worker; default {"CPU": 1} (+ {"GPU": 1} with use_gpu)."""
+    placement_strategy: Literal["PACK", "SPREAD"] = "PACK"
+    """PACK fills nodes first; SPREAD places one worker per node where it can."""
 
     def __post_init__(self) -> None:
-        _need(isinstance(self.min_workers, int) and self.min_workers >= 1, "scaling.min_workers",
-              f"must be an integer >= 1, got {self.min_workers!r}")
-        _need(isinstance(self.max_workers, int) and self.max_workers >= self.min_workers,
-              "scaling.max_workers", f"must be an integer >= min_workers ({self.min_workers}), "
-              f"got {self.max_workers!r}")
-        _need(self.placement_strategy in PLACEMENT, "scaling.placement_strategy",
-              f"must be one of {', '.join(PLACEMENT)}, got {self.placement_strategy!r}")
-        for k, v in (self.resources_per_worker or {}).items():
-            _need(isinstance(v, (int, float)) and v >= 0, f"scaling.resources_per_worker.{k}",
-                  f"must be a number >= 0, got {v!r}")
+        check_fields(self, "scaling")
+
+    def validate(self, path: str) -> None:
+        """max_workers >= min_workers; resources are amounts, never negative."""
+        if self.max_workers < self.min_workers:
+            raise config_error(f"{path}.max_workers", "out of range", self.max_workers,
+                               f"allowed: >= min_workers ({self.min_workers})")
+        for key, value in (self.resources_per_worker or {}).items():
+            if value < 0:
+                raise config_error(f"{path}.resources_per_worker.{key}", "out of range",
+                                   Verbatim(repr(value)), "allowed: >= 0")
 
     def worker_resources(self) -> Dict[str, float]:
         res = dict(self.resources_per_worker or {})
@@ -59,31 +54,25 @@ class ScalingConfig:
 
 @dataclass(frozen=True)
 class FailureConfig:
-    """How much failure a run bears and how fast it notices.
+    """How much failure a run bears and how fast it notices."""
 
-    max_failures: membership changes caused by failures before the run gives up (-1: no limit).
-    heartbeat_timeout_s: a worker whose training made no step for this long while others did is
-      frozen: it is killed and treated as lost.
-    collective_timeout_s: torch.distributed timeout; a collective waiting on a vanished peer
-      fails after this long at most (gloo usually fails at once when the peer's socket closes).
-    start_timeout_s: how long a new worker may wait to be placed, and a group to form.
-    poll_interval_s: how often the driver asks the workers for news.
-    """
-
-    max_failures: int = 3
-    heartbeat_timeout_s: float = 60.0
-    collective_timeout_s: float = 120.0
-    start_timeout_s: float = 60.0
-    poll_interval_s: float = 0.25
-    grow_check_interval_s: float = 2.0
+    max_failures: int = checked(3, ge=-1)
+    """Membership changes caused by failures before the run gives up (-1: no limit)."""
+    heartbeat_timeout_s: float = checked(60.0, gt=0)
+    """No rank finished a step for this long: the group is stalled; it is stopped, and a worker
+    whose training does not end after that is frozen and treated as lost."""
+    collective_timeout_s: float = checked(120.0, gt=0)
+    """torch.distributed timeout; a collective waiting on a vanished peer fails after this long
+    at most (gloo usually fails at once when the peer's socket closes)."""
+    start_timeout_s: float = checked(60.0, gt=0)
+    """How long a new worker may wait to be placed, and a group to form."""
+    poll_interval_s: float = checked(0.25, gt=0)
+    """How often the driver asks the workers for news."""
+    grow_check_interval_s: float = checked(2.0, gt=0)
+    """How often the driver asks the cluster whether there is room to grow."""
 
     def __post_init__(self) -> None:
-        _need(isinstance(self.max_failures, int) and self.max_failures >= -1, "failure.max_failures",
-              f"must be an integer >= -1 (-1: unlimited), got {self.max_failures!r}")
-        for key in ("heartbeat_timeout_s", "collective_timeout_s", "start_timeout_s",
-                    "poll_interval_s", "grow_check_interval_s"):
-            v = getattr(self, key)
-            _need(isinstance(v, (int, float)) and v > 0, f"failure.{key}", f"must be a number > 0, got {v!r}")
+        check_fields(self, "failure")
 
     def allows(self, failures: int) -> bool:
         return self.max_failures < 0 or failures <= self.max_failures

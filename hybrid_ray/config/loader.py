@@ -83,6 +83,20 @@ def load_dataclass(cls: type, raw: Any, path: str) -> Any:
     return obj
 
 
+def check_fields(obj: Any, path: str) -> None:
+    """Check a section built in Python (not loaded from JSON) by the rules `load_dataclass`
+    applies to each of its fields, then its `validate(path)` hook: a section's `__post_init__`
+    calls this, so `ScalingConfig(min_workers=0)` fails like the same key in a file would."""
+    hints, loaded = _hints(type(obj)), {}
+    for field in dataclasses.fields(obj):
+        if field.init:
+            loaded[field.name] = _load_field(field, hints[field.name], getattr(obj, field.name),
+                                             join_path(path, field.name), loaded)
+    validate = getattr(obj, "validate", None)
+    if validate is not None:
+        validate(path)
+
+
 def _load_field(field: dataclasses.Field, hint: Any, raw: Any, path: str, loaded: dict) -> Any:
     meta = field.metadata
     if raw is None and meta.get("null_is_default"):

@@ -34,7 +34,7 @@ from .loss_scaler import LossScaler, NoLossScaler, build_loss_scaler
 from .zero.offload import HostOffload
 from .precision import HALF, PrecisionPolicy, autocast_region, cast_floating, dtype_of
 from .flops.profiler import StepProfiler
-from .zero.reducer import GradReducer
+from .zero.reducer import GradReducer, ReduceOptions
 from .schedulers import build_scheduler
 from .topology import Topology
 from .zero import relayout, stage3
@@ -105,11 +105,9 @@ class Engine(DeepSpeedAccessors):
             self.spaces = build.build_spaces(groups, topo.device, zc.reduce_bucket_size, num_shards, topo.rank)
         if broadcast:
             build.broadcast_state(self.spaces, self.module, topo)
-        reduce_dtype, compressor, dense_dtype = reduction_setup(self.config)
         offload = HostOffload.from_config(zc.offload_optimizer, topo.device)  # None unless device: cpu
-        self.reducer = GradReducer(self.spaces, topo, min(zc.stage, 2), reduce_dtype, zc.overlap_comm,
-                                   zc.reduce_scatter, offload, max_inflight=2 if partition_params else None,
-                                   compressor=compressor, dense_dtype=dense_dtype)
+        self.reducer = GradReducer(self.spaces, topo, ReduceOptions.from_config(zc, partition_params),
+                                   reduction_setup(self.config), offload)
         self.zero = ZeroOptimizer(self.spaces, self.reducer, topo)
         self.stage3: Optional[stage3.Stage3Controller] = None
         if partition_params:  # after the masters are built from the whole parameters
@@ -389,5 +387,5 @@ class Engine(DeepSpeedAccessors):
         raw = {"type": "none"} if spec is None else {"type": spec} if isinstance(spec, str) else spec
         old = self.gradient_compression
         self.config = replace_section(self.config, "gradient_compression", raw)
-        self.reducer.set_compression(*reduction_setup(self.config))
+        self.reducer.set_compression(reduction_setup(self.config))
         self._log(f"step {self.global_steps}: gradient_compression {old} -> {self.gradient_compression}")

@@ -1,7 +1,8 @@
 """DeepSpeed's warmup learning-rate schedules as torch ``LRScheduler`` subclasses.
 
-``build_scheduler(cfg, optimizer)`` reads DeepSpeed's ``scheduler`` section
-(``{"type": "WarmupLR" | "WarmupDecayLR" | "WarmupCosineLR", "params": {...}}``).
+``build_scheduler(cfg, optimizer)`` builds DeepSpeed's ``scheduler`` section
+(``{"type": "WarmupLR" | "WarmupDecayLR" | "WarmupCosineLR", "params": {...}}``) as the config
+loader validated it (hybrid_ray/config/optim.py).
 
 Step convention (DeepSpeed's): the schedule index ``i`` is DeepSpeed's
 ``last_batch_iteration``, which starts at -1. Constructing the scheduler sets the
@@ -19,12 +20,14 @@ parameters: as in DeepSpeed, the config given on resume defines the schedule, so
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import math
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Mapping, Optional, Sequence, Union
 
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
+
+from hybrid_ray.config.loader import load_dataclass
+from hybrid_ray.config.optim import SchedulerConfig
 
 __all__ = ["WarmupCosineLR", "WarmupDecayLR", "WarmupLR", "build_scheduler"]
 
@@ -215,50 +218,32 @@ _SCHEDULERS: dict[str, type] = {
     "WarmupDecayLR": WarmupDecayLR,
     "WarmupCosineLR": WarmupCosineLR,
 }
-_PARAMS: dict[str, tuple[str, ...]] = {
-    "WarmupLR": ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type"),
-    "WarmupDecayLR": ("total_num_steps", "warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type"),
-    "WarmupCosineLR": ("total_num_steps", "warmup_min_ratio", "warmup_num_steps", "cos_min_ratio", "warmup_type"),
-}
 
 
-def _suggest(word: str, choices: Sequence[str]) -> str:
-    """' (did you mean X?)' for a near miss, else ''."""
-    close = difflib.get_close_matches(word, choices, n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""
-
-
-def _params_dict(params: Any) -> dict[str, Any]:
-    """Accept params as a dict, a (frozen) dataclass from hybrid_ray.config, or None."""
-    if params is None:
-        return {}
+def _as_section(cfg: Any) -> SchedulerConfig:
+    """The validated `scheduler` section: as given when it came through the config loader,
+    else (a dict, a namespace, a dataclass of params) loaded by that same loader, so a caller
+    outside `initialize` gets the same one-line errors naming `scheduler.<key>`."""
+    if isinstance(cfg, SchedulerConfig):
+        return cfg
+    if isinstance(cfg, Mapping):
+        raw = dict(cfg)
+    else:
+        raw = {"type": cfg.type, "params": getattr(cfg, "params", None) or {}}
+    params = raw.get("params")
     if dataclasses.is_dataclass(params) and not isinstance(params, type):
-        return {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}
-    return dict(params)
+        raw["params"] = {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}
+    return load_dataclass(SchedulerConfig, raw, "scheduler")
 
 
 def build_scheduler(cfg: Any, optimizer: Optimizer) -> Optional[LRScheduler]:
     """Build the scheduler named by ``cfg.type`` with ``cfg.params``; None if no cfg.
 
-    Unknown types and unknown or missing parameters are errors that name the key
-    ``scheduler.type`` / ``scheduler.params.<name>`` and what is allowed.
+    ``cfg`` is the config's validated SchedulerConfig (anything else goes through the config
+    loader first), so names and parameters are not checked again here.
     """
-    if cfg is None or getattr(cfg, "type", None) is None:
+    if cfg is None or (not isinstance(cfg, Mapping) and getattr(cfg, "type", None) is None):
         return None
-    kind = cfg.type
-    if kind not in _SCHEDULERS:
-        raise ValueError(
-            f"scheduler.type: unknown scheduler {kind!r}{_suggest(str(kind), list(_SCHEDULERS))}; "
-            f"allowed: {', '.join(_SCHEDULERS)}"
-        )
-    params = _params_dict(getattr(cfg, "params", None))
-    allowed = _PARAMS[kind]
-    for key in params:
-        if key not in allowed:
-            raise ValueError(
-                f"scheduler.params.{key}: not a parameter of {kind}{_suggest(key, allowed)}; "
-                f"allowed: {', '.join(allowed)}"
-            )
-    if "total_num_steps" in allowed and "total_num_steps" not in params:
-        raise ValueError(f"scheduler.params.total_num_steps: required by {kind}")
-    return _SCHEDULERS[kind](optimizer, **params)
+    section = _as_section(cfg)
+    params = {f.name: getattr(section.params, f.name) for f in dataclasses.fields(section.params)}
+    return _SCHEDULERS[section.type](optimizer, **params)

@@ -14,7 +14,8 @@ from hybrid_ray.engine.compression.stats import CommStats, StepTimer
 from hybrid_ray.engine.compression.topk import TopK
 from hybrid_ray.engine.engine import Engine
 from hybrid_ray.engine.compression.powersgd import PowerSGD, _Plan
-from hybrid_ray.engine.zero.reducer import GradReducer
+from hybrid_ray.engine.compression import Reduction
+from hybrid_ray.engine.zero.reducer import GradReducer, ReduceOptions
 from hybrid_ray.engine.topology import Topology
 
 
@@ -188,10 +189,10 @@ def test_powersgd_initial_q_is_the_same_on_every_rank():
 # ---- switching and residual carry -------------------------------------------------------
 
 def test_reducer_carries_residuals_of_a_switched_away_compressor():
-    reducer = GradReducer([], Topology(0, 1, torch.device("cpu")), 1, torch.float32, False, True,
-                             compressor=TopK(0.5))
+    reducer = GradReducer([], Topology(0, 1, torch.device("cpu")), ReduceOptions(1, overlap=False),
+                          Reduction(torch.float32, TopK(0.5)))
     reducer.compressor.residuals[(0, 1)] = torch.tensor([1.0, 2.0])
-    reducer.set_compression(torch.float32, PowerSGD(2))
+    reducer.set_compression(Reduction(torch.float32, PowerSGD(2)))
     assert torch.equal(reducer.carry[(0, 1)], torch.tensor([1.0, 2.0]))
     reducer.end_step(False, 2.0)  # carried residuals follow the loss scale too
     assert torch.equal(reducer.carry[(0, 1)], torch.tensor([2.0, 4.0]))

@@ -166,13 +166,15 @@ def test_build_scheduler_defaults_and_none() -> None:
     assert isinstance(sched, WarmupLR)
     assert (sched.min_lrs, sched.max_lrs) == ([0.0, 0.0], [0.001, 0.001])
     assert (sched.warmup_num_steps, sched.warmup_type) == (1000, "log")
-    cos = build_scheduler(cfg("WarmupCosineLR", total_num_steps=50), make_optimizer())
+    # total_num_steps past the default 1000 warm-up steps: the config loader refuses less.
+    cos = build_scheduler(cfg("WarmupCosineLR", total_num_steps=5000), make_optimizer())
     assert (cos.warmup_min_ratio, cos.cos_min_ratio, cos.warmup_num_steps) == (0.0, 0.0001, 1000)
 
 
 def test_build_scheduler_errors_name_the_key() -> None:
+    # The config loader's rules: a name is matched ignoring case, so only a misspelling fails.
     with pytest.raises(ValueError, match=r"scheduler\.type.*'WarmupLR'"):
-        build_scheduler(cfg("WarmupLr"), make_optimizer())
+        build_scheduler(cfg("WarmupLRx"), make_optimizer())
     with pytest.raises(ValueError, match=r"scheduler\.params\.warmup_max_lrr.*'warmup_max_lr'"):
         build_scheduler(cfg("WarmupLR", warmup_max_lrr=0.1), make_optimizer())
     with pytest.raises(ValueError, match=r"scheduler\.params\.total_num_steps"):

@@ -6,7 +6,8 @@ build on base.py (bucket keys, layouts, error-feedback residuals). stats.py time
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -16,8 +17,19 @@ from .powersgd import PowerSGD
 from .stats import CommStats, StepTimer
 from .topk import TopK
 
-__all__ = ["BucketKey", "CommStats", "ErrorFeedback", "Layout", "PowerSGD", "StepTimer", "TopK",
-           "build_compressor", "reduction_setup"]
+__all__ = ["BucketKey", "CommStats", "ErrorFeedback", "Layout", "PowerSGD", "Reduction",
+           "StepTimer", "TopK", "build_compressor", "reduction_setup"]
+
+
+@dataclass(frozen=True)
+class Reduction:
+    """How a bucket's gradients travel: reduced in `dtype`, or exchanged by `compressor` (values
+    in fp32); `dense_dtype` is what the uncompressed reduction would carry, the baseline of
+    CommStats' byte ratio (None: `dtype`)."""
+
+    dtype: torch.dtype = torch.float32
+    compressor: Optional[ErrorFeedback] = None
+    dense_dtype: Optional[torch.dtype] = None
 
 
 def build_compressor(gc) -> Optional[ErrorFeedback]:
@@ -29,8 +41,8 @@ def build_compressor(gc) -> Optional[ErrorFeedback]:
     return None
 
 
-def reduction_setup(config) -> Tuple[torch.dtype, Optional[ErrorFeedback], torch.dtype]:
-    """(reduction dtype, compressor, uncompressed dtype) for a Config.
+def reduction_setup(config) -> Reduction:
+    """The Reduction a Config asks for.
 
     fp16/bf16 compression is a half-precision reduction (the config refuses a contradiction
     with communication_data_type); the uncompressed dtype is the baseline of the byte ratio.
@@ -38,4 +50,4 @@ def reduction_setup(config) -> Tuple[torch.dtype, Optional[ErrorFeedback], torch
     gc, comm_dtype = config.gradient_compression, config.communication_data_type
     dense = dtype_of(comm_dtype or "fp32")
     reduce = dtype_of(gc.type) if gc.type in ("fp16", "bf16") else dense
-    return reduce, build_compressor(gc), dense
+    return Reduction(reduce, build_compressor(gc), dense)

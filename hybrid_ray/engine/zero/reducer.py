@@ -29,17 +29,48 @@ and with one rank the buckets are streamed to the host from the same hooks (noth
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 import torch.distributed as dist
 
+from hybrid_ray.config.sections import ZeroConfig
+
 from .. import comm
-from ..compression.base import BucketKey, ErrorFeedback
+from ..compression import Reduction
+from ..compression.base import BucketKey
 from ..compression.stats import CommStats, StepTimer
+from ..topology import Topology
 from .flat import Bucket, FlatSpace
 from .offload import HostOffload
-from ..topology import Topology
+
+
+@dataclass(frozen=True)
+class ReduceOptions:
+    """How the reducer moves gradients (from the config's zero_optimization section).
+
+    stage: 0 all-reduce, 1 reduce-scatter at the boundary, 2 reduce-scatter every micro-batch
+      (stage 3 reduces as stage 2 does).
+    overlap: launch each bucket's collective from the gradient hooks, during backward.
+    reduce_scatter: stages 1-2 reduce-scatter; False all-reduces and keeps the rank's slice.
+    max_inflight: finish the oldest collective beyond this many in flight (None: only at the
+      end of backward).
+    """
+
+    stage: int
+    overlap: bool = True
+    reduce_scatter: bool = True
+    max_inflight: Optional[int] = None
+
+    @classmethod
+    def from_config(cls, zc: ZeroConfig, partition_params: bool) -> "ReduceOptions":
+        # A collective holds its input (the packed bucket) until someone waits on it. Stage 3
+        # packs one whole unit per bucket, so keeping every reduction of a backward in flight
+        # holds all units' packed gradients at once; finishing the oldest beyond two (FSDP2
+        # keeps one) bounds that.
+        return cls(min(zc.stage, 2), zc.overlap_comm, zc.reduce_scatter,
+                   max_inflight=2 if partition_params else None)
 
 
 class SpaceGrads:
@@ -118,29 +149,24 @@ class SpaceGrads:
 class GradReducer:
     """Moves gradients into master gradients, overlapped with backward where asked."""
 
-    def __init__(self, spaces: List[FlatSpace], topo: Topology, stage: int,
-                 reduce_dtype: torch.dtype, overlap: bool, use_reduce_scatter: bool,
-                 offload: Optional[HostOffload] = None, max_inflight: Optional[int] = None,
-                 compressor: Optional[ErrorFeedback] = None, dense_dtype: Optional[torch.dtype] = None):
+    def __init__(self, spaces: List[FlatSpace], topo: Topology, options: ReduceOptions,
+                 reduction: Reduction = Reduction(), offload: Optional[HostOffload] = None):
+        stage = options.stage
         self.topo, self.stage, self.offload = topo, stage, offload
         self.stats = CommStats()
         self.timer = StepTimer(topo.device)  # exposed waits and compression time per step
-        # A collective holds its input (the packed bucket) until someone waits on it. Stage 3
-        # packs one whole unit per bucket, so keeping every reduction of a backward in flight
-        # holds all units' packed gradients at once; finishing the oldest beyond this many (as
-        # FSDP2 does with one) bounds that. None: wait only at the end of backward.
-        self.max_inflight = max_inflight
+        self.max_inflight = options.max_inflight
         self.distributed = topo.world_size > 1
         self.partitioned_grads = stage >= 2 and self.distributed
         self.sharded = stage >= 1 and self.distributed  # masters differ between ranks
         # Buckets travel from the hooks when they must be reduced, or (offload) copied to the host.
         self.streams = self.distributed or offload is not None
-        self.overlap = overlap and self.streams
-        self.use_reduce_scatter = use_reduce_scatter
+        self.overlap = options.overlap and self.streams
+        self.use_reduce_scatter = options.reduce_scatter
         # Residuals of a compressor switched away from, added into each bucket's next reduction.
         self.carry: Dict[BucketKey, torch.Tensor] = {}
-        self.compressor: Optional[ErrorFeedback] = None
-        self.set_compression(reduce_dtype, compressor, dense_dtype)
+        self.compressor = None
+        self.set_compression(reduction)
         self.grads = [SpaceGrads(s, not self.partitioned_grads, i, offload) for i, s in enumerate(spaces)]
         self._armed = False
         self._inflight: List[Callable[[], None]] = []
@@ -148,14 +174,14 @@ class GradReducer:
         if self.overlap:
             self._register_hooks()
 
-    def set_compression(self, reduce_dtype: torch.dtype, compressor: Optional[ErrorFeedback],
-                        dense_dtype: Optional[torch.dtype] = None) -> None:
+    def set_compression(self, reduction: Reduction) -> None:
         """Use this reduction from the next window on (between optimizer steps only).
 
-        compressor: a topk/powersgd exchange of each bucket (values travel in fp32), or None
-        for a dense reduction in `reduce_dtype`. The previous compressor's residuals move to
-        `carry`, so what it held back is still sent, by whichever method comes next.
+        reduction.compressor: a topk/powersgd exchange of each bucket (values travel in fp32),
+        or None for a dense reduction in `reduction.dtype`. The previous compressor's residuals
+        move to `carry`, so what it held back is still sent, by whichever method comes next.
         """
+        reduce_dtype, compressor = reduction.dtype, reduction.compressor
         old = self.compressor
         if old is not None:
             for key, r in old.residuals.items():
@@ -167,7 +193,7 @@ class GradReducer:
             compressor.timer = self.timer
         self.reduce_dtype = reduce_dtype
         # What a reduction would carry uncompressed: the baseline of stats' ratio.
-        self.dense_itemsize = (dense_dtype or reduce_dtype).itemsize
+        self.dense_itemsize = (reduction.dense_dtype or reduce_dtype).itemsize
         # Half-precision sums over many ranks can overflow: divide before reducing. fp32 sums
         # are divided after, folded into the single unscale multiply of the step.
         self.predivide = self.distributed and reduce_dtype != torch.float32 and compressor is None
