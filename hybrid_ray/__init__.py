@@ -11,12 +11,8 @@ import torch.nn as nn
 
 from .config import Config, ConfigError, NotSupportedError, load_config
 from .data import build_dataloader
-from .engine.activation_checkpointing import checkpoint_activations
-from .engine.engine import Engine, NonFiniteGradientError
-from .engine.loss_scaler import LossScaleUnderflowError
-from .engine.precision import FP16Layer, FP16Module
-from .engine.zero.stage3 import register_external_parameter
-from .engine.topology import Topology
+from .engine import (Engine, FP16Layer, FP16Module, LossScaleUnderflowError, NonFiniteGradientError,
+                     Topology, checkpoint_activations, register_external_parameter)
 from .profiling import Speedometer, get_model_profile
 
 __all__ = ["initialize", "Engine", "Config", "ConfigError", "NotSupportedError", "load_config",

@@ -29,8 +29,8 @@ from typing import Callable, Dict, List, Tuple
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from hybrid_ray.engine.engine import Engine  # noqa: E402
-from hybrid_ray.engine.topology import Topology  # noqa: E402
+from hybrid_ray.engine import Engine  # noqa: E402
+from hybrid_ray.engine import Topology  # noqa: E402
 from hybrid_ray.models import GPT, GPT_SIZES  # noqa: E402
 
 

@@ -455,7 +455,7 @@ def run_setting(spec: dict, gc: Optional[dict], topo) -> dict:
     import torch
     import torch.distributed as dist
     from hybrid_ray.config import ConfigError, load_config
-    from hybrid_ray.engine.engine import Engine
+    from hybrid_ray.engine import Engine
     from hybrid_ray.models import GPT, GPTConfig
 
     cfg = {"train_micro_batch_size_per_gpu": spec["micro_batch"], "gradient_accumulation_steps": 1,
@@ -512,7 +512,7 @@ def worker(spec_path: str) -> None:
 
     import torch
     import torch.distributed as dist
-    from hybrid_ray.engine.topology import Topology
+    from hybrid_ray.engine import Topology
     from hybrid_ray.models import GPT, GPTConfig
 
     with open(spec_path) as f:

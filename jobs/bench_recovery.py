@@ -110,7 +110,7 @@ def run_ours(work: str) -> Dict[str, float]:
 # ---- Ray Train -----------------------------------------------------------------------------
 def ray_train_fn(config: dict):
     import ray.train
-    from hybrid_ray.engine.topology import Topology
+    from hybrid_ray.engine import Topology
     events, marker = config["events"], config["marker"]
     topo = Topology.from_environment()
     engine = _engine(topo)

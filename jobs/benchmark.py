@@ -41,7 +41,7 @@ SUITES: Dict[str, List[dict]] = {
              dict(impl="deepspeed", stage=2)],
     "cpu": [dict(impl="ddp"), dict(impl="hybrid", stage=1), dict(impl="hybrid", stage=2),
             dict(impl="hybrid", stage=0)],
-    # ZeRO-3 (issue 3): against plain torch / DDP and FSDP2 (fully_shard per block, reshard after forward).
+    # ZeRO-3: against plain torch / DDP and FSDP2 (fully_shard per block, reshard after forward).
     "zero3-gpu1": [dict(impl="torch"), dict(impl="hybrid", stage=3), dict(impl="fsdp2"),
                    dict(impl="deepspeed", stage=3)],
     "zero3-gpu2": [dict(impl="ddp"), dict(impl="hybrid", stage=3), dict(impl="fsdp2"),

@@ -4,7 +4,8 @@ auto` on Ray; compression_driver.py is the driver's side).
 Every rank: measures the link when the group forms (rank 0 reports it), sums the exposed
 communication of each step, and at every logging step agrees with the others on the driver's
 newest directive (a collective), so a new setting takes effect at the same step on all ranks.
-Rank 0's logging record carries the interval's numbers and the id of the setting in force.
+Rank 0 sends an Interval record (the interval's numbers, the id of the setting in force) with
+each logging step.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Callable, Optional
 from hybrid_ray.engine import comm
 
 from .compression_policy import describe
+from .records import Interval
 
 
 class DirectiveFollower:
@@ -35,10 +37,9 @@ class DirectiveFollower:
         """After each optimizer step: add its exposed communication to the interval's."""
         self._comm_s += float(self.engine.compression_stats().get("comm_wait_s") or 0.0)
 
-    def interval(self, steps: int, seconds: float) -> dict:
-        """Rank 0's record fields for the interval just ended; starts the next one."""
-        out = {"compression_id": self.applied_id, "interval_steps": steps,
-               "interval_step_s": seconds / max(steps, 1), "interval_comm_s": self._comm_s / max(steps, 1)}
+    def interval(self, step: int, steps: int, seconds: float) -> Interval:
+        """The record of the interval that ended at `step` (rank 0 sends it); starts the next."""
+        out = Interval(self.applied_id, steps, seconds / max(steps, 1), self._comm_s / max(steps, 1), step)
         self._comm_s = 0.0
         return out
 

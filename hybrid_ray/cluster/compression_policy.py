@@ -26,6 +26,8 @@ from typing import Dict, List, Mapping, Optional, Union
 from hybrid_ray.config import CompressionConfig
 from hybrid_ray.config.loader import load_dataclass, to_plain
 
+from .records import Interval  # one logging interval of rank 0, as the workers report it
+
 DENSE: Dict = {"type": "none"}
 Section = Union[CompressionConfig, Mapping]
 
@@ -60,16 +62,6 @@ def candidates(auto: Section) -> List[Dict]:
     return [{"type": "bf16"},
             {"type": "topk", "topk_ratio": auto.topk_ratio, **common},
             {"type": "powersgd", "rank": auto.rank, **common}]
-
-
-@dataclass(frozen=True)
-class Interval:
-    """One logging interval of rank 0, as the workers report it."""
-
-    setting_id: int  # the directive in force (0: the job's own starting setting)
-    steps: int  # optimizer steps in the interval
-    step_s: float  # mean wall time per step
-    comm_wait_s: float  # mean time per step blocked on gradient collectives
 
 
 @dataclass(frozen=True)

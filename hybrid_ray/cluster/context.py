@@ -7,12 +7,14 @@ driver re-runs it after every membership change.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Any, Callable, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
 
-from hybrid_ray.engine.topology import Topology
+from hybrid_ray.engine import Topology
+
+from .records import Record, as_record
 
 
 class StopTraining(Exception):
@@ -30,7 +32,7 @@ class WorkerContext:
     generation: int
     storage_path: str
     run_name: str
-    _report: Callable[[dict], None] = field(repr=False, default=lambda rec: None)
+    _report: Callable[[Record], None] = field(repr=False, default=lambda rec: None)
     _beat: Callable[[int], None] = field(repr=False, default=lambda step: None)
     _stop: Callable[[], bool] = field(repr=False, default=lambda: False)
     _directive: Callable[[], Optional[dict]] = field(repr=False, default=lambda: None)
@@ -43,20 +45,14 @@ class WorkerContext:
     def world_size(self) -> int:
         return self.topology.world_size
 
-    def report(self, record: dict) -> None:
-        """Send a metrics record (any JSON-able dict) to the driver."""
-        self._report(dict(record))
+    def report(self, record: Union[Mapping[str, Any], Record]) -> None:
+        """Send a record to the driver: a dict of metrics (JSON-able values, `step` among them;
+        it travels as records.Metrics with this group's world_size) or a typed Record."""
+        self._report(as_record(record, self.world_size))
 
     def step_done(self, step: int) -> None:
         """Tell the driver this rank finished optimizer step `step` (its heartbeat)."""
         self._beat(int(step))
-
-    def stop_requested(self) -> bool:
-        """Whether the driver asked this worker to stop at the next checkpoint boundary.
-
-        Ranks can see the request at different moments: use `agree_to_stop` at the boundary so
-        every rank stops at the same step."""
-        return self._stop()
 
     def agree_to_stop(self) -> bool:
         """Collective: True on every rank when any rank saw a stop request."""

@@ -1,9 +1,14 @@
 """The elastic driver: an explicit state machine over generations of a worker group.
 
-    SCHEDULING -> RUNNING -> FINISHED
-                     |--> (worker lost / failed / stalled) RECOVERING -> SCHEDULING
-                     |--> (room to grow, at a checkpoint boundary) RESIZING -> SCHEDULING
-    RECOVERING with failures beyond max_failures, or too few workers -> ERRORED
+    Initializing -> Scheduling -> Running -> Finished
+                        ^            |--> (worker lost / failed / stalled) Recovering -> Scheduling
+                        |            |--> (room to grow, at a checkpoint boundary) Resizing -> Scheduling
+                        |____________|
+    Initializing without room, Scheduling below min_workers, Recovering beyond max_failures -> Errored
+
+Each state is a small dataclass; `_step(state)` carries it out and returns the next one. What a
+poll of the running group means is decided by pure functions (policy.py), and the group is
+injected (group.py's WorkerGroup on Ray, a dummy in tests), so nothing here imports Ray.
 
 Every (re)formation is a new generation: the surviving actors stay (their processes are not
 restarted), a fresh process group is formed at the new size, and the training function runs
@@ -14,14 +19,13 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional
-
-import ray
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 from hybrid_ray.config.cluster import FailureConfig, ScalingConfig
-from .group import Member, WorkerGroup
-from .policy import FailurePolicy, ScalingPolicy, stalled
-from .worker import FAILED, FINISHED, RUNNING, STOPPED
+
+from .policy import Decision, FailurePolicy, ScalingPolicy, Watch, judge
+from .records import Metrics, Record
+from .status import Member, PollStatus
 
 log = logging.getLogger("hybrid_ray.cluster")
 
@@ -41,234 +45,262 @@ class Result:
     """What `fit()` returns: rank 0's return value and the run's history."""
 
     value: Any
-    records: List[dict] = field(default_factory=list)
+    records: List[Metrics] = field(default_factory=list)  # every Metrics record, in arrival order
     events: List[str] = field(default_factory=list)
     generations: int = 0
     failures: int = 0
     world_sizes: List[int] = field(default_factory=list)
 
 
-@dataclass
-class _Outcome:
-    kind: str  # finished | grow | failed
-    value: Any = None
-    lost: List[Member] = field(default_factory=list)
-    reason: str = ""
-    grow_to: Optional[int] = None
+# ---- the states ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Initializing:
+    """Waiting for room for the first group."""
+
+
+@dataclass(frozen=True)
+class Scheduling:
+    """Bring the group to `size` members and start a generation on it."""
+
+    size: int
+
+
+@dataclass(frozen=True)
+class Running:
+    """A generation of `world_size` workers is training; each step is one poll."""
+
+    world_size: int
+
+
+@dataclass(frozen=True)
+class Recovering:
+    """The generation ended badly: `lost` members are gone (or frozen), for `reason`."""
+
+    lost: Tuple[Member, ...]
+    reason: str
+
+
+@dataclass(frozen=True)
+class Resizing:
+    """Every worker stopped at a checkpoint to re-form at `size`."""
+
+    size: int
+
+
+@dataclass(frozen=True)
+class Finished:
+    value: Any
+
+
+@dataclass(frozen=True)
+class Errored:
+    message: str
+
+
+State = Union[Initializing, Scheduling, Running, Recovering, Resizing, Finished, Errored]
+TERMINAL = (Finished, Errored)
 
 
 class Controller:
+    """Runs `fn` on the group's workers until it finishes everywhere, surviving losses.
+
+    group: the worker group (group.WorkerGroup on Ray). clock/sleep: injectable so that tests
+    with a dummy group run in simulated time.
+    """
+
     def __init__(self, fn: Callable, scaling: ScalingConfig, failure: FailureConfig,
-                 storage_path: str, run_name: str,
-                 on_record: Optional[Callable[[dict], None]] = None,
+                 storage_path: str, run_name: str, group: Any,
+                 on_record: Optional[Callable[[Record], None]] = None,
                  on_event: Optional[Callable[[str], None]] = None,
-                 node_metrics_interval_s: Optional[float] = None):
-        self.fn, self.scaling, self.failure = fn, scaling, failure
+                 node_metrics_interval_s: Optional[float] = None,
+                 clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep):
+        self.fn, self.scaling, self.failure, self.group = fn, scaling, failure, group
         self.node_metrics_interval_s = node_metrics_interval_s
         self.storage_path, self.run_name = storage_path, run_name
         self.scaling_policy, self.failure_policy = ScalingPolicy(scaling), FailurePolicy(failure)
-        self.group = WorkerGroup(scaling, run_name)
+        self.clock, self.sleep = clock, sleep
         self.result = Result(None)
+        self.state: State = Initializing()
         self._on_record, self._on_event = on_record, on_event
-        self._last_step = -1
+        self._last_step = -1  # newest step any worker reported, over all generations
         self._failed_at: Optional[float] = None  # when the newest failure was detected
         self._directive: Optional[dict] = None  # newest send_directive(); new groups start with it
+        self._watch: Optional[Watch] = None
 
     # ---- the state machine ----------------------------------------------------------------
     def run(self) -> Result:
         try:
-            size = self._initial_size()
-            while True:
-                self._schedule(size)
-                outcome = self._run_generation()
-                self.result.generations += 1
-                if outcome.kind == "finished":
-                    self.result.value = outcome.value
-                    self._event(f"finished at step {self._last_step} with {len(self.group.members)} worker(s)")
-                    return self.result
-                if outcome.kind == "grow":
-                    size = outcome.grow_to
-                    continue
-                size = self._recover(outcome)
+            while not isinstance(self.state, TERMINAL):
+                self.state = self._step(self.state)
         finally:
             self.group.shutdown()
+        if isinstance(self.state, Errored):
+            raise TrainingFailedError(self.state.message)
+        self.result.value = self.state.value
+        return self.result
 
-    def _initial_size(self) -> int:
-        deadline = time.monotonic() + self.failure.start_timeout_s
-        while True:
-            decision = self.scaling_policy.initial(self.group.can_add())
-            if decision.size is not None:
-                self._event(decision.reason)
-                return decision.size
-            if time.monotonic() > deadline:
-                raise TrainingFailedError(f"cannot start: {decision.reason} after "
-                                          f"{self.failure.start_timeout_s:.0f} s")
-            time.sleep(1.0)
+    def _step(self, state: State) -> State:
+        handler = {Initializing: self._initialize, Scheduling: self._schedule, Running: self._run,
+                   Recovering: self._recover, Resizing: self._resize}[type(state)]
+        return handler(state)
 
-    def _schedule(self, size: int) -> None:
-        """Bring the group to `size` members (add new actors; shrink by dropping the newest)."""
-        missing = size - len(self.group.members)
+    def _initialize(self, state: Initializing) -> State:
+        decision = self._wait_for(lambda: self.scaling_policy.initial(self.group.can_add()))
+        if decision.size is None:
+            return Errored(f"cannot start: {decision.reason} after {self.failure.start_timeout_s:.0f} s")
+        self._event(decision.reason)
+        return Scheduling(decision.size)
+
+    def _schedule(self, state: Scheduling) -> State:
+        """Bring the group to the size (add new actors; shrink by dropping the newest), then
+        form a generation on it."""
+        missing = state.size - len(self.group.members)
         if missing > 0:
             placed = self.group.add(missing, self.failure.start_timeout_s)
             if len(self.group.members) < self.scaling.min_workers:
-                raise TrainingFailedError(
-                    f"only {len(self.group.members)} worker(s) could be placed, min_workers is "
-                    f"{self.scaling.min_workers}; checkpoints in {self.storage_path} are intact")
+                return Errored(f"only {len(self.group.members)} worker(s) could be placed, min_workers "
+                               f"is {self.scaling.min_workers}; checkpoints in {self.storage_path} are intact")
             if len(placed) < missing:
                 self._event(f"{len(placed)} of {missing} new worker(s) placed; going on with "
                             f"{len(self.group.members)}")
         elif missing < 0:
-            self.group.remove(self.group.members[size:])
+            self.group.remove(self.group.members[state.size:])
+        return self._start_generation()
 
-    def _recover(self, outcome: _Outcome) -> int:
-        self.result.failures += 1
-        decision = self.failure_policy.may_recover(self.result.failures)
-        lost = ", ".join(f"worker {m.index}" for m in outcome.lost) or "no worker"
-        if decision.size is None:
-            raise TrainingFailedError(f"{outcome.reason} ({lost} lost); {decision.reason}; "
-                                      f"checkpoints in {self.storage_path} are intact")
-        self.group.remove(outcome.lost)
-        survivors = len(self.group.members)
-        time.sleep(0.5)  # let Ray return the lost workers' resources before counting room
-        step = self._scaling_decision(survivors)
-        self._event(f"{outcome.reason}: {lost} lost; {step.reason}, resuming from the newest "
-                    f"checkpoint (last step seen {self._last_step})")
-        return step.size
-
-    def _scaling_decision(self, survivors: int):
-        deadline = time.monotonic() + self.failure.start_timeout_s
-        while True:
-            decision = self.scaling_policy.after_loss(survivors, self.group.can_add())
-            if decision.size is not None:
-                return decision
-            if time.monotonic() > deadline:
-                raise TrainingFailedError(f"{decision.reason}; checkpoints in {self.storage_path} are intact")
-            time.sleep(1.0)
-
-    # ---- one generation ------------------------------------------------------------------
-    def _run_generation(self) -> _Outcome:
+    def _start_generation(self) -> State:
         members = self.group.members
-        world = len(members)
+        world, generation = len(members), self.result.generations
         self.result.world_sizes.append(world)
-        master = members[0]
-        port = master.handle.free_port.remote()
-        try:
-            port = ray.get(port, timeout=30)
-        except ray.exceptions.RayError:
-            return _Outcome("failed", lost=[master], reason="worker lost before the group formed")
-        specs = {m.index: dict(rank=r, world_size=world, master_addr=master.info["ip"],
-                               master_port=port, generation=self.result.generations,
-                               use_gpu=self.scaling.use_gpu,
+        self.result.generations += 1
+        port = self.group.rendezvous_port(members[0])
+        if port is None:
+            return Recovering((members[0],), "worker lost before the group formed")
+        specs = {m.index: dict(rank=r, world_size=world, master_addr=members[0].info["ip"],
+                               master_port=port, generation=generation, use_gpu=self.scaling.use_gpu,
                                threads=int(self.group.resources.get("CPU", 1)) or 1,
                                collective_timeout_s=self.failure.collective_timeout_s,
                                storage_path=self.storage_path, run_name=self.run_name,
                                directive=self._directive)
                  for r, m in enumerate(members)}
-        started = self.group.start(self.fn, specs)
-        dead = [m for m in members if isinstance(started.get(m.index), Exception)]
+        dead = self.group.start(self.fn, specs)
         if dead:
             return self._teardown(dead, "worker lost while starting")
         self._monitor_nodes()
-        return self._watch(world)
+        now = self.clock()
+        self._watch = Watch(world, last_progress=now, next_grow_check=now + self.failure.grow_check_interval_s)
+        return Running(world)
 
+    def _run(self, state: Running) -> State:
+        """One poll of the running generation and its verdict."""
+        self.sleep(self.failure.poll_interval_s)
+        status = self.group.poll(timeout_s=max(5.0, self.failure.poll_interval_s * 4))
+        self._forward(status)
+        now, watch = self.clock(), self._watch
+        if not status.lost and watch.observe(status, now):
+            self._note_recovery(watch.newest)
+        verdict = judge(status, watch, now, self.failure.heartbeat_timeout_s)
+        if verdict.kind == "finished":
+            value = self.group.result(self.group.members[0])
+            self._event(f"finished at step {self._last_step} with {len(self.group.members)} worker(s)")
+            return Finished(value)
+        if verdict.kind == "resize":
+            self._event(f"stopped at step {self._last_step} to grow to {verdict.size} worker(s)")
+            return Resizing(verdict.size)
+        if verdict.kind == "failed":
+            if verdict.detail:
+                log.warning("a worker failed:\n%s", verdict.detail)
+            return self._teardown(list(verdict.lost), verdict.reason)
+        self._maybe_grow(state.world_size, now)
+        return state
+
+    def _maybe_grow(self, world: int, now: float) -> None:
+        """Ask the cluster for room now and then; with room, every worker stops at its next
+        checkpoint and the group re-forms larger (the verdict `resize`)."""
+        if not self._watch.grow_due(now):
+            return
+        self._watch.next_grow_check = now + self.failure.grow_check_interval_s
+        grow = self.scaling_policy.growth(world, self.group.can_add())
+        if grow.size is not None:
+            self._event(grow.reason + "; stopping at the next checkpoint")
+            self.group.request_stop()
+            self._watch.grow_to = grow.size
+
+    def _teardown(self, lost: List[Member], reason: str) -> Recovering:
+        """Stop every survivor's training; one whose training does not end is frozen: lost too."""
+        self._failed_at = self.clock()
+        gone = {m.index for m in lost}
+        alive = [m for m in self.group.members if m.index not in gone]
+        stuck = self.group.stop(alive, self.failure.collective_timeout_s + 5.0)
+        return Recovering(tuple(lost) + tuple(stuck), reason)
+
+    def _recover(self, state: Recovering) -> State:
+        self.result.failures += 1
+        decision = self.failure_policy.may_recover(self.result.failures)
+        lost = ", ".join(f"worker {m.index}" for m in state.lost) or "no worker"
+        if decision.size is None:
+            return Errored(f"{state.reason} ({lost} lost); {decision.reason}; checkpoints in "
+                           f"{self.storage_path} are intact")
+        self.group.remove(list(state.lost))
+        survivors = len(self.group.members)
+        self.sleep(0.5)  # let Ray return the lost workers' resources before counting room
+        step = self._wait_for(lambda: self.scaling_policy.after_loss(survivors, self.group.can_add()))
+        if step.size is None:
+            return Errored(f"{step.reason}; checkpoints in {self.storage_path} are intact")
+        self._event(f"{state.reason}: {lost} lost; {step.reason}, resuming from the newest "
+                    f"checkpoint (last step seen {self._last_step})")
+        return Scheduling(step.size)
+
+    def _resize(self, state: Resizing) -> State:
+        return Scheduling(state.size)
+
+    def _wait_for(self, decide: Callable[[], Decision]) -> Decision:
+        """`decide()` until it names a size or start_timeout_s has passed (then its last reason)."""
+        deadline = self.clock() + self.failure.start_timeout_s
+        while True:
+            decision = decide()
+            if decision.size is not None or self.clock() > deadline:
+                return decision
+            self.sleep(1.0)
+
+    # ---- talking to the workers ----------------------------------------------------------------
     def send_directive(self, directive: dict) -> None:
         """Hand every worker a directive (e.g. a gradient compression setting); the training
         function decides when the ranks apply it (WorkerContext.agree_on_directive). Workers
         of later groups start with the newest one."""
         self._directive = directive
-        for m in self.group.members:  # fire and forget: a lost worker shows up in the next poll
-            m.handle.set_directive.remote(directive)
+        for m in list(self.group.members):
+            self.group.tell(m, "set_directive", directive)
 
     def _monitor_nodes(self) -> None:
-        """One worker per node samples that node's system metrics (records `system_metrics`);
-        the others stop. Asked again each generation: the sampling worker may have been lost."""
+        """One worker per node samples that node's system metrics (SystemSample records); the
+        others stop. Asked again each generation: the sampling worker may have been lost."""
         if not self.node_metrics_interval_s:
             return
         first: Dict[str, Member] = {}
         for m in self.group.members:
             first.setdefault(m.info["node_id"], m)
-        for m in self.group.members:  # fire and forget: a lost worker shows up in the next poll
+        for m in self.group.members:
             label = node_label(m.info) if first[m.info["node_id"]] is m else None
-            m.handle.monitor_node.remote(label, self.node_metrics_interval_s)
-
-    def _watch(self, world: int) -> _Outcome:
-        started = time.monotonic()
-        last_progress, newest = started, -1
-        next_grow_check = started + self.failure.grow_check_interval_s
-        stop_sent = None
-        while True:
-            time.sleep(self.failure.poll_interval_s)
-            news = self.group.poll(timeout_s=max(5.0, self.failure.poll_interval_s * 4))
-            lost = [m for m in self.group.members if isinstance(news[m.index], ray.exceptions.RayActorError)]
-            if lost:
-                return self._teardown(lost, "worker lost")
-            states = {i: n["state"] for i, n in news.items() if isinstance(n, dict)}
-            self._forward(news)
-            steps = [n["step"] for n in news.values() if isinstance(n, dict)]
-            if steps and max(steps) > newest:
-                newest, last_progress = max(steps), time.monotonic()
-                self._note_recovery(newest)
-            if any(s == FAILED for s in states.values()):
-                first = next(n["error"] for n in news.values() if isinstance(n, dict) and n["state"] == FAILED)
-                log.warning("a worker failed:\n%s", first)
-                return self._teardown([], "worker failed: " + first.strip().splitlines()[-1][:200])
-            if states and all(s == FINISHED for s in states.values()) and len(states) == world:
-                value = self.group.members[0].handle.result.remote()
-                return _Outcome("finished", value=ray.get(value))
-            if states and all(s in (STOPPED, FINISHED) for s in states.values()) and stop_sent:
-                self._event(f"stopped at step {self._last_step} to grow to {stop_sent} worker(s)")
-                return _Outcome("grow", grow_to=stop_sent)
-            if newest >= 0 and stalled(last_progress, time.monotonic(), self.failure.heartbeat_timeout_s):
-                return self._teardown([], f"no step for {self.failure.heartbeat_timeout_s:.0f} s")
-            if stop_sent is None and time.monotonic() > next_grow_check:
-                next_grow_check = time.monotonic() + self.failure.grow_check_interval_s
-                grow = self.scaling_policy.growth(world, self.group.can_add())
-                if grow.size is not None:
-                    self._event(grow.reason + "; stopping at the next checkpoint")
-                    self.group.call("request_stop")
-                    stop_sent = grow.size
-
-    def _teardown(self, lost: List[Member], reason: str) -> _Outcome:
-        """Stop every survivor's training; one whose training does not end is frozen: lost too."""
-        self._failed_at = time.monotonic()
-        lost_ids = {m.index for m in lost}
-        alive = [m for m in self.group.members if m.index not in lost_ids]
-        for m in alive:
-            m.handle.abort.remote()
-        grace = self.failure.collective_timeout_s + 5.0
-        refs = {m.index: m.handle.wait_idle.remote(grace) for m in alive}
-        for m in alive:
-            try:
-                if not ray.get(refs[m.index], timeout=grace + 10.0):
-                    lost.append(m)  # frozen: its training never came back
-            except (ray.exceptions.RayError, TimeoutError):
-                lost.append(m)
-        return _Outcome("failed", lost=lost, reason=reason)
+            self.group.tell(m, "monitor_node", label, self.node_metrics_interval_s)
 
     # ---- news for the user -------------------------------------------------------------------
-    def _forward(self, news: Dict[int, Any]) -> None:
-        for n in news.values():
-            if not isinstance(n, dict):
-                continue
-            self._last_step = max(self._last_step, n["step"])
-            for rec in n["records"]:
-                if "system_metrics" in rec:  # a node's sample, not a training record
-                    if self._on_record:
-                        self._on_record(rec)
-                    continue
-                rec.setdefault("world_size", len(self.group.members))
+    def _forward(self, status: PollStatus) -> None:
+        """Every record to on_record as it came; Metrics also into the Result."""
+        self._last_step = max(self._last_step, status.newest_step)
+        for rec in status.records():
+            if isinstance(rec, Metrics):
                 self.result.records.append(rec)
-                if self._on_record:
-                    self._on_record(rec)
+            if self._on_record:
+                self._on_record(rec)
 
     def _note_recovery(self, step: int) -> None:
         """The first step after a failure: how long training stood still, as an event and a
         metric (recovery_s at that step)."""
         if self._failed_at is None:
             return
-        seconds, self._failed_at = time.monotonic() - self._failed_at, None
+        seconds, self._failed_at = self.clock() - self._failed_at, None
         self._event(f"recovered: step {step} done {seconds:.1f} s after the failure was detected")
-        rec = {"step": step, "recovery_s": round(seconds, 3), "world_size": len(self.group.members)}
+        rec = Metrics({"step": step, "recovery_s": round(seconds, 3)}, len(self.group.members))
         self.result.records.append(rec)
         if self._on_record:
             self._on_record(rec)

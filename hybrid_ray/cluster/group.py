@@ -1,42 +1,26 @@
-"""The worker actors of a run: placing them, asking them for news, killing them.
+"""The worker actors of a run on Ray: placing them, asking them for news, stopping, killing them.
 
 Thin on purpose: Ray places the actors, detects their deaths and kills them; the controller
-decides what to do with that.
+decides what to do with that. Everything the controller asks of a group is a method here, so a
+dummy group with the same methods runs the controller without a cluster (tests/unit).
 """
 from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import ray
 
 from hybrid_ray.config.cluster import ScalingConfig
+
+from .status import Member, PollStatus
 from .worker import Worker
 
 
-@dataclass
-class Member:
-    """One worker actor and what it told us about itself."""
-
-    handle: Any
-    index: int  # creation order, stable across generations (names "worker 3" in events)
-    info: Dict[str, Any] = field(default_factory=dict)
-    acked: int = 0  # sequence number of the newest record received from it (Worker.poll)
-
-    def take_news(self, reply: Any) -> Any:
-        """A poll reply with its records as plain dicts, only those not received before; the
-        acknowledgement goes out with the next poll. Errors pass through."""
-        if not isinstance(reply, dict):
-            return reply
-        fresh = [(seq, rec) for seq, rec in reply["records"] if seq > self.acked]
-        if fresh:
-            self.acked = fresh[-1][0]
-        return dict(reply, records=[rec for _, rec in fresh])
-
-
 class WorkerGroup:
+    """The members of one run, and the calls the controller makes on them."""
+
     def __init__(self, scaling: ScalingConfig, name: str = "run"):
         self.scaling, self.name = scaling, name
         self.resources = scaling.worker_resources()
@@ -92,24 +76,56 @@ class WorkerGroup:
     def shutdown(self) -> None:
         self.remove(list(self.members))
 
-    # ---- talking to the workers ----------------------------------------------------------
-    def call(self, method: str, *args, timeout_s: float = 30.0) -> Dict[int, Any]:
-        """Call a method on every member. member index -> result, or the exception it raised
-        (RayActorError when the actor is dead, GetTimeoutError when it did not answer)."""
-        return _collect({m.index: getattr(m.handle, method).remote(*args) for m in self.members},
-                        timeout_s)
+    # ---- one generation ------------------------------------------------------------------
+    def rendezvous_port(self, member: Member) -> Optional[int]:
+        """A free TCP port on `member`'s host for the group's rendezvous; None if it is gone."""
+        try:
+            return ray.get(member.handle.free_port.remote(), timeout=30)
+        except ray.exceptions.RayError:
+            return None
 
-    def poll(self, timeout_s: float) -> Dict[int, Any]:
-        """Every member's news (Worker.poll), as in `call`; a record whose reply timed out is
-        delivered by a later poll, none twice."""
-        news = _collect({m.index: m.handle.poll.remote(m.acked) for m in self.members}, timeout_s)
-        return {m.index: m.take_news(news[m.index]) for m in self.members}
-
-    def start(self, fn: Any, specs: Dict[int, Dict[str, Any]]) -> Dict[int, Any]:
-        """Start every member's training with its own spec; results as in `call`."""
+    def start(self, fn: Any, specs: Dict[int, Dict[str, Any]]) -> List[Member]:
+        """Start every member's training with its own spec; the members that failed to start."""
         fn_ref = ray.put(fn)
-        return _collect({m.index: m.handle.start.remote(fn_ref, specs[m.index]) for m in self.members},
-                        30.0)
+        out = _collect({m.index: m.handle.start.remote(fn_ref, specs[m.index]) for m in self.members},
+                       30.0)
+        return [m for m in self.members if isinstance(out.get(m.index), Exception)]
+
+    def poll(self, timeout_s: float) -> PollStatus:
+        """Every member's news (Worker.poll): a record whose reply timed out is delivered by a
+        later poll, none twice; a member whose actor died is lost."""
+        replies = _collect({m.index: m.handle.poll.remote(m.acked) for m in self.members}, timeout_s)
+        news = {m.index: m.take_news(replies[m.index]) for m in self.members}
+        lost = tuple(m for m in self.members if isinstance(news[m.index], ray.exceptions.RayActorError))
+        answered = {i: n for i, n in news.items() if not isinstance(n, Exception)}
+        return PollStatus(len(self.members), answered, lost)
+
+    def tell(self, member: Member, method: str, *args: Any) -> None:
+        """Fire and forget (a directive, a monitoring order): a lost worker shows up in the
+        next poll."""
+        getattr(member.handle, method).remote(*args)
+
+    def request_stop(self) -> None:
+        """Every member stops at its next checkpoint boundary (to re-form at another size)."""
+        _collect({m.index: m.handle.request_stop.remote() for m in self.members}, 30.0)
+
+    def result(self, member: Member) -> Any:
+        return ray.get(member.handle.result.remote())
+
+    def stop(self, members: List[Member], grace_s: float) -> List[Member]:
+        """Stop these members' training (ending their commit waits too); those whose training
+        does not end within grace_s, or that are gone, are returned: frozen or lost."""
+        for m in members:
+            m.handle.abort.remote()
+        refs = {m.index: m.handle.wait_idle.remote(grace_s) for m in members}
+        stuck = []
+        for m in members:
+            try:
+                if not ray.get(refs[m.index], timeout=grace_s + 10.0):
+                    stuck.append(m)  # frozen: its training never came back
+            except (ray.exceptions.RayError, TimeoutError):
+                stuck.append(m)
+        return stuck
 
 
 def _collect(refs: Dict[int, Any], timeout_s: float) -> Dict[int, Any]:

@@ -1,14 +1,17 @@
 """Decisions of the elastic driver, kept free of Ray so they can be tested alone.
 
-The controller observes (group size, survivors, room in the cluster, checkpoint boundaries) and
-asks these policies what to do; they return decisions, the controller carries them out.
+The controller observes (group size, survivors, room in the cluster, each poll of the running
+group) and asks these policies what to do; they return decisions and verdicts as small
+dataclasses, the controller carries them out.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 from hybrid_ray.config.cluster import FailureConfig, ScalingConfig
+
+from .status import FAILED, FINISHED, STOPPED, Member, PollStatus
 
 
 @dataclass(frozen=True)
@@ -66,3 +69,62 @@ def stalled(last_progress: float, now: float, timeout_s: float) -> bool:
     collective, or a collective hangs). The controller then stops the group; a worker whose
     training does not end within the collective timeout after that is frozen and is killed."""
     return now - last_progress > timeout_s
+
+
+@dataclass
+class Watch:
+    """What the controller remembers of the generation it is watching."""
+
+    world_size: int
+    last_progress: float  # when the newest step was first seen (or the generation started)
+    next_grow_check: float  # when to ask the cluster for room next
+    newest: int = -1  # newest step any rank reported
+    grow_to: Optional[int] = None  # every worker was asked to stop, to re-form at this size
+
+    def observe(self, status: PollStatus, now: float) -> bool:
+        """Note the poll's newest step; True when it is new (training moved on)."""
+        if status.newest_step <= self.newest:
+            return False
+        self.newest, self.last_progress = status.newest_step, now
+        return True
+
+    def grow_due(self, now: float) -> bool:
+        return self.grow_to is None and now > self.next_grow_check
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What one poll of a running generation means.
+
+    kind: keep (go on watching), finished (every rank returned), resize (every rank stopped at
+    the checkpoint asked for, to re-form at `size`), failed (members `lost`, a training raised,
+    or the group stalled: tear it down). detail: a failed worker's traceback, for the log.
+    """
+
+    kind: str
+    reason: str = ""
+    lost: Tuple[Member, ...] = ()
+    size: Optional[int] = None
+    detail: str = ""
+
+
+KEEP = Verdict("keep")
+
+
+def judge(status: PollStatus, watch: Watch, now: float, heartbeat_timeout_s: float) -> Verdict:
+    """The verdict on one poll (after `watch.observe` saw it), in order of precedence."""
+    if status.lost:
+        return Verdict("failed", "worker lost", lost=status.lost)
+    states = status.states()
+    failed = [n for n in status.news.values() if n.state == FAILED]
+    if failed:
+        error = failed[0].error or ""
+        last = error.strip().splitlines()[-1][:200] if error.strip() else "no error text"
+        return Verdict("failed", "worker failed: " + last, detail=error)
+    if states and len(states) == watch.world_size and all(s == FINISHED for s in states):
+        return Verdict("finished")
+    if states and watch.grow_to is not None and all(s in (STOPPED, FINISHED) for s in states):
+        return Verdict("resize", size=watch.grow_to)
+    if watch.newest >= 0 and stalled(watch.last_progress, now, heartbeat_timeout_s):
+        return Verdict("failed", f"no step for {heartbeat_timeout_s:.0f} s")
+    return KEEP

@@ -12,42 +12,49 @@ cluster at `address` (or RAY_ADDRESS); with neither, starts a local one with ray
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 from hybrid_ray.config.cluster import FailureConfig, ScalingConfig
+from hybrid_ray.config.paths import absolute
+
 from .controller import Controller, Result
+from .group import WorkerGroup
+from .records import Record
 
 
 class ElasticTrainer:
     def __init__(self, train_fn: Callable, scaling: Optional[ScalingConfig] = None,
                  failure: Optional[FailureConfig] = None, storage_path: str = "./runs",
                  run_name: str = "run", address: Optional[str] = None,
-                 on_record: Optional[Callable[[dict], None]] = None,
+                 on_record: Optional[Callable[[Record], None]] = None,
                  on_event: Optional[Callable[[str], None]] = None,
                  node_metrics_interval_s: Optional[float] = None):
+        """on_record: called on the driver with every record a worker sends (records.py: the
+        Metrics of ctx.report, read like the reported dict; SystemSample; the job's own kinds);
+        on_event: with every membership event as one line of text."""
         if not callable(train_fn):
             raise TypeError(f"train_fn must be callable as train_fn(ctx), got {type(train_fn).__name__}")
         self.train_fn = train_fn
         self.scaling = scaling or ScalingConfig()
         self.failure = failure or FailureConfig()
         # Workers may run on other nodes: hand them an absolute path (or a URI as given).
-        self.storage_path = storage_path if "://" in storage_path else os.path.abspath(storage_path)
+        self.storage_path = absolute(storage_path)
         self.run_name, self.address = run_name, address
         self.on_record, self.on_event = on_record, on_event
-        # Seconds between system-metric samples on every node of the group (records
-        # {"system_metrics", "node", "timestamp_ms"} to on_record); None: no sampling.
+        # Seconds between system-metric samples on every node of the group (SystemSample
+        # records to on_record); None: no sampling.
         self.node_metrics_interval_s = node_metrics_interval_s
         self.controller: Optional[Controller] = None
 
     def fit(self) -> Result:
-        _connect(self.address)
+        connect(self.address)
         self.controller = Controller(self.train_fn, self.scaling, self.failure, self.storage_path,
-                                     self.run_name, self.on_record, self.on_event,
-                                     self.node_metrics_interval_s)
+                                     self.run_name, WorkerGroup(self.scaling, self.run_name),
+                                     self.on_record, self.on_event, self.node_metrics_interval_s)
         return self.controller.run()
 
 
-def _connect(address: Optional[str]) -> None:
+def connect(address: Optional[str]) -> None:
     """Join the cluster (address, RAY_ADDRESS) or start a local one; keep an existing session."""
     import ray
     if ray.is_initialized():
@@ -57,3 +64,9 @@ def _connect(address: Optional[str]) -> None:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(address=address or os.environ.get("RAY_ADDRESS"), log_to_driver=True,
              include_dashboard=False if not (address or os.environ.get("RAY_ADDRESS")) else None)
+
+
+def cluster_has_gpus() -> bool:
+    """Whether the connected cluster has at least one GPU (for `use_gpu=None`: let it decide)."""
+    import ray
+    return ray.cluster_resources().get("GPU", 0) >= 1

@@ -18,11 +18,11 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from hybrid_ray.engine.topology import Topology
+from hybrid_ray.engine import Topology
 
 from .context import StopTraining, WorkerContext
-
-IDLE, RUNNING, FINISHED, STOPPED, FAILED = "idle", "running", "finished", "stopped", "failed"
+from .records import Record, SystemSample
+from .status import FAILED, FINISHED, IDLE, RUNNING, STOPPED
 
 
 class Worker:
@@ -34,7 +34,7 @@ class Worker:
         self._error: Optional[str] = None
         # Records not yet acknowledged by the driver, with their sequence numbers: a poll whose
         # reply the driver never got (a timeout under load) must not lose them.
-        self._records: List[Tuple[int, dict]] = []
+        self._records: List[Tuple[int, Record]] = []
         self._seq = 0
         self._step = -1
         self._step_time = time.monotonic()
@@ -89,7 +89,7 @@ class Worker:
         with self._lock:
             self._state, self._error = state, error
 
-    def _report(self, record: dict) -> None:
+    def _report(self, record: Record) -> None:
         with self._lock:
             self._seq += 1
             self._records.append((self._seq, record))
@@ -134,7 +134,8 @@ class Worker:
 
     def monitor_node(self, label: Optional[str], interval_s: float = 10.0) -> None:
         """Sample this node's system metrics (MLflow's collectors: CPU, memory, disk, network,
-        GPUs through pynvml) under `system/<label>/` and send them with the records; None stops.
+        GPUs through pynvml) under `system/<label>/` and send them as SystemSample records; None
+        stops.
         The driver asks one worker per node, so a node is sampled once however many it hosts."""
         if label == self._monitor_label:
             return
@@ -147,7 +148,7 @@ class Worker:
             self._monitor = SystemMonitor(self._publish_system, interval_s, node_id=label)
 
     def _publish_system(self, values: Dict[str, float], index: int, ts: int) -> None:
-        self._report({"system_metrics": values, "node": self._monitor_label, "timestamp_ms": ts})
+        self._report(SystemSample(self._monitor_label, values, ts))
 
 
 def _join(spec: Dict[str, Any], abort: threading.Event) -> Topology:

@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, Dataset
 from .sampler import GlobalBatchSampler
 
 if TYPE_CHECKING:  # the data layer sits below the engine: only its rank, size and device are read
-    from hybrid_ray.engine.topology import Topology
+    from hybrid_ray.engine import Topology
 
 
 class ResumableLoader:

@@ -30,6 +30,8 @@ import pyarrow.fs as pafs
 import torch
 from torch.utils.data import Dataset
 
+from hybrid_ray.config.paths import is_uri
+
 COLUMN = "tokens"
 
 
@@ -42,7 +44,7 @@ def resolve(path_or_uri: str, filesystem: Optional[pafs.FileSystem] = None) -> T
     """(filesystem, path inside it) for a local path or a URI."""
     if filesystem is not None:
         return filesystem, path_or_uri
-    if "://" in path_or_uri:
+    if is_uri(path_or_uri):
         return pafs.FileSystem.from_uri(path_or_uri)
     return pafs.LocalFileSystem(), os.path.abspath(path_or_uri)
 

@@ -2,7 +2,7 @@
 
 Two ways in, one mechanism (`torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`):
 
-    class M(nn.Module):                                   # seed 3.1.2: a decorator on a method
+    class M(nn.Module):                                   # a decorator on a method
         @checkpoint_activations(checkpoint_in_fp32=True)
         def forward_with_checkpoint(self, x):
             return self.block2(self.block1(x))
@@ -159,7 +159,7 @@ def remove_checkpointing(module: nn.Module) -> nn.Module:
 
 def checkpoint_activations(target: Any = None, *, checkpoint_in_fp32: bool = False,
                            cpu_checkpointing: bool = False, preserve_rng_state: bool = True) -> Any:
-    """Checkpoint a function, a method or a module (seed 3.1.2).
+    """Checkpoint a function, a method or a module (DeepSpeed's checkpoint_activations).
 
     `@checkpoint_activations` or `@checkpoint_activations(checkpoint_in_fp32=True)` on a function
     or method returns it checkpointed. `checkpoint_activations(module, ...)` patches the module's

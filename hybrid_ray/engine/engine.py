@@ -142,16 +142,16 @@ class Engine(DeepSpeedAccessors):
         return torch.float16 in self.precision_plan.module_dtype.values()
 
     def _uses_fp16(self) -> bool:
-        pc = self.config.precision
-        dtypes = [self.config.base_dtype] + list(pc.modules.values()) + [e.dtype for e in pc.schedule]
-        return "fp16" in dtypes or self._fp16_in_model()
+        """fp16 anywhere in the run: the base, a module pattern, a schedule phase, the model."""
+        cfg = self.config
+        return cfg.base_dtype == "fp16" or cfg.precision.uses_fp16 or self._fp16_in_model()
 
     @property
     def _scaler(self) -> LossScaler:
         """The fp16 loss scaler while fp16 is in the current precision mix, else a unit scale."""
         return self.loss_scaler if self._fp16_in_model() or not self._uses_fp16() else self._unit_scaler
 
-    # ---- precision schedule (seed 7.3) ----------------------------------------------------
+    # ---- precision schedule -------------------------------------------------------------
     def _scheduled_dtype(self, step: int) -> str:
         """Base dtype for optimizer step `step`: the last schedule entry at or before it."""
         dtype = self.config.base_dtype

@@ -7,15 +7,14 @@ all-reduce), skips the optimizer step if it is set, and then calls
 runs the same sequence of updates and holds the same scale without further
 communication.
 
-``scaler.last_event`` describes what the latest update did (skip, shrink, grow) so
-the engine can log "step 12 skipped: loss scale 65536 -> 32768" without knowing how
-each scaler works.
+The engine logs a skipped step with the scale before and after the update
+("step 12: gradient overflow, step skipped; loss scale 65536 -> 32768"), which reads
+the same for every kind of scaler.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any, Optional
 
 __all__ = [
@@ -23,44 +22,10 @@ __all__ = [
     "LossScaleUnderflowError",
     "LossScaler",
     "NoLossScaler",
-    "ScaleEvent",
     "StaticLossScaler",
     "UserLossScaler",
     "build_loss_scaler",
 ]
-
-
-@dataclass(frozen=True)
-class ScaleEvent:
-    """What one ``update`` did: a skipped step and/or a change of scale.
-
-    ``iteration`` counts updates from 0 (it is the scaler's own counter, which equals
-    the optimizer-boundary index when the engine calls ``update`` once per boundary).
-    ``hysteresis_left`` is the number of overflows still tolerated before the next
-    one halves the scale (None for scalers without hysteresis).
-    """
-
-    iteration: int
-    overflow: bool
-    old_scale: float
-    new_scale: float
-    hysteresis_left: Optional[int] = None
-
-    @property
-    def skipped(self) -> bool:
-        """True when the optimizer step of this iteration was skipped (overflow)."""
-        return self.overflow
-
-    def __str__(self) -> str:
-        """One log line, e.g. ``step 7 skipped: loss scale 65536 -> 32768``."""
-        if self.old_scale != self.new_scale:
-            change = f"loss scale {_fmt(self.old_scale)} -> {_fmt(self.new_scale)}"
-        else:
-            change = f"loss scale {_fmt(self.old_scale)} kept"
-            if self.hysteresis_left is not None:
-                change += f" (hysteresis left {self.hysteresis_left})"
-        prefix = f"step {self.iteration} skipped" if self.overflow else f"step {self.iteration}"
-        return f"{prefix}: {change}"
 
 
 def _fmt(scale: float) -> str:
@@ -98,9 +63,6 @@ class LossScaler:
 
     dynamic: bool = False
 
-    def __init__(self) -> None:
-        self.last_event: Optional[ScaleEvent] = None
-
     @property
     def loss_scale(self) -> float:
         """The factor to multiply the loss by before backward."""
@@ -110,7 +72,7 @@ class LossScaler:
         """Return ``loss * loss_scale`` (a tensor op; no host sync)."""
         return loss * self.loss_scale
 
-    def update(self, overflow: bool) -> Optional[ScaleEvent]:
+    def update(self, overflow: bool) -> None:
         """Record one optimizer boundary; ``overflow`` must already agree across ranks."""
         raise NotImplementedError
 
@@ -126,7 +88,6 @@ class StaticLossScaler(LossScaler):
     """A constant scale (``fp16.loss_scale > 0``); overflowed steps are skipped."""
 
     def __init__(self, scale: float) -> None:
-        super().__init__()
         if not (math.isfinite(scale) and scale > 0):
             raise ValueError(f"StaticLossScaler: scale must be finite and > 0, got {scale!r}")
         self._scale = float(scale)
@@ -137,12 +98,9 @@ class StaticLossScaler(LossScaler):
         """The constant scale."""
         return self._scale
 
-    def update(self, overflow: bool) -> Optional[ScaleEvent]:
-        """Count the boundary and report a skip on overflow; the scale is fixed."""
-        event = ScaleEvent(self._iteration, True, self._scale, self._scale) if overflow else None
+    def update(self, overflow: bool) -> None:
+        """Count the boundary; the scale is fixed (an overflowed step is still skipped)."""
         self._iteration += 1
-        self.last_event = event
-        return event
 
     def state_dict(self) -> dict:
         """Only the counter: the scale itself comes from the config on resume."""
@@ -197,7 +155,6 @@ class DynamicLossScaler(LossScaler):
         hysteresis: int = 2,
         consecutive_hysteresis: bool = False,
     ) -> None:
-        super().__init__()
         _check_dynamic_args(init_scale, scale_factor, scale_window, min_scale, hysteresis)
         self.init_scale = float(init_scale)
         self.scale_factor = float(scale_factor)
@@ -215,20 +172,13 @@ class DynamicLossScaler(LossScaler):
         """The current scale."""
         return self.cur_scale
 
-    def update(self, overflow: bool) -> Optional[ScaleEvent]:
-        """Apply the rule in the class docstring; return what happened (None: nothing)."""
-        old = self.cur_scale
+    def update(self, overflow: bool) -> None:
+        """Apply the rule in the class docstring."""
         if overflow:
             self._on_overflow()
         else:
             self._on_clean_step()
-        changed = self.cur_scale != old
-        event = None
-        if overflow or changed:
-            event = ScaleEvent(self.cur_iter, bool(overflow), old, self.cur_scale, self.cur_hysteresis)
         self.cur_iter += 1
-        self.last_event = event
-        return event
 
     def _on_overflow(self) -> None:
         """Halve the scale or spend hysteresis; raise if the scale cannot go lower."""
@@ -304,11 +254,10 @@ class UserLossScaler(LossScaler):
     The object needs a scale attribute (``current_scale``, ``cur_scale`` or
     ``loss_scale``, looked up in that order) and a method ``update_scale(has_overflow)``
     or ``update(overflow)``. The object owns the policy; this adapter only reads the
-    scale, forwards overflows and reports events.
+    scale and forwards overflows.
     """
 
     def __init__(self, obj: Any) -> None:
-        super().__init__()
         self._scale_attr = next((a for a in _SCALE_ATTRS if hasattr(obj, a)), None)
         self._update_fn = getattr(obj, "update_scale", None) or getattr(obj, "update", None)
         _check_user_scaler(obj, self._scale_attr, self._update_fn)
@@ -321,15 +270,10 @@ class UserLossScaler(LossScaler):
         """The user object's current scale, as a Python float."""
         return float(getattr(self.obj, self._scale_attr))
 
-    def update(self, overflow: bool) -> Optional[ScaleEvent]:
-        """Forward the overflow flag to the user object and report the result."""
-        old = self.loss_scale
+    def update(self, overflow: bool) -> None:
+        """Forward the overflow flag to the user object."""
         self._update_fn(bool(overflow))
-        new = self.loss_scale
-        event = ScaleEvent(self._iteration, bool(overflow), old, new) if overflow or new != old else None
         self._iteration += 1
-        self.last_event = event
-        return event
 
     def state_dict(self) -> dict:
         """``obj.state_dict()`` if it has one, else its plain-number attributes."""

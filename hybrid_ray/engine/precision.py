@@ -22,7 +22,7 @@ import torch.nn.functional as F
 DTYPES: Dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 HALF = (torch.float16, torch.bfloat16)
 
-# Normalisation layers stay fp32 under fp16/bf16 (seed 7.2): their statistics lose too much
+# Normalisation layers stay fp32 under fp16/bf16: their statistics lose too much
 # precision in half, and their parameters are tiny.
 NORM_TYPES: Tuple[type, ...] = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm,
                                 nn.LocalResponseNorm) + ((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ())
@@ -156,7 +156,8 @@ def _half_layer_norm(module: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
 
 
 class FP16Module(nn.Module):
-    """Base class for a module that computes in half precision inside a model (seed 6.1).
+    """Base class for a module that computes in half precision inside a model (`FP16_Module` in
+    DeepSpeed-style code).
 
     Subclasses override `forward` and use `self.module`; the forward runs under fp16 autocast
     (or `dtype`), and the engine stores the wrapped parameters in that dtype with fp32 masters.
@@ -176,7 +177,8 @@ class FP16Module(nn.Module):
 
 
 class FP16Layer(FP16Module):
-    """Wrap one layer to compute in fp16 while the rest of the model stays fp32 (seed 3.1.1).
+    """Wrap one layer to compute in fp16 while the rest of the model stays fp32 (`FP16_Layer` in
+    DeepSpeed-style code).
 
     `FP16Layer(nn.Linear(768, 3072))` stores and computes the layer in half precision; its
     floating outputs come back as fp32 when the caller computes in fp32.

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset
 
-from hybrid_ray.engine.engine import Engine
+from hybrid_ray.engine import Engine
 
 
 def evenly_spaced(n: int, count: Optional[int]) -> List[int]:

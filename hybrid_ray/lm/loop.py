@@ -16,9 +16,11 @@ import torch
 import torch.distributed as dist
 
 from hybrid_ray.data.prepare import bits_per_byte, split_entropy
-from hybrid_ray.engine.topology import Topology
-from hybrid_ray.lm.evaluate import all_sum, evaluate, generate
+from hybrid_ray.engine import Topology
 from hybrid_ray.cluster.compression_follower import DirectiveFollower
+from hybrid_ray.cluster.records import LinkProbe, Params, Text
+from hybrid_ray.engine.flops.report import format_report
+from hybrid_ray.lm.evaluate import all_sum, evaluate, generate
 from hybrid_ray.lm.job import Job, for_world
 from hybrid_ray.lm.setup import (Run, RunContext, RunLog, build, checkpoint_dir, prepare_data,
                                  resume, set_threads)
@@ -128,10 +130,10 @@ def train_steps(job: Job, run: Run, log: RunLog,
             summed = all_sum(loss_sum.clone(), engine)  # the mean over every rank's micro-batches
             last_loss = float(summed[0] / summed[1])
             now = time.perf_counter()
-            _log_step(run, log, step, steps, last_loss, (step - logged) * tokens_per_step / (now - t_log),
-                      follower.interval(step - logged, now - t_log) if follower else {})
+            _log_step(run, log, step, steps, last_loss, (step - logged) * tokens_per_step / (now - t_log))
             loss_sum.zero_()
             if follower is not None:
+                log.send(follower.interval(step, step - logged, now - t_log))
                 follower.sync(step)  # a new compression setting applies from the next step on
             t_log, logged = time.perf_counter(), step
         speed.update()
@@ -159,8 +161,7 @@ def _send_flops_report(run: Run, log: RunLog) -> bool:
     if profile is None:
         return False
     if log.report is not None and log.rank == 0:
-        from hybrid_ray.engine.flops.report import format_report
-        log.report({"step": run.engine.global_steps, "flops_report": format_report(profile, module_depth=2)})
+        log.send(Text("reports/flops.txt", format_report(profile, module_depth=2), run.engine.global_steps))
     return True
 
 
@@ -179,13 +180,12 @@ def _between_steps(job: Job, run: Run, log: RunLog, step: int) -> bool:
     return False
 
 
-def _log_step(run: Run, log: RunLog, step: int, total: int, loss: float, tok_s: float,
-              extra: dict) -> None:
+def _log_step(run: Run, log: RunLog, step: int, total: int, loss: float, tok_s: float) -> None:
     engine = run.engine
     norm = engine.get_global_grad_norm()  # None before the first optimizer step
     lr, scale = engine.get_lr()[0], engine.loss_scale
     log.record(step=step, train_loss=loss, lr=lr, loss_scale=scale, grad_norm=norm, tokens_per_s=tok_s,
-               skipped_steps=engine.skipped_steps, **_comm_record(engine), **extra)
+               skipped_steps=engine.skipped_steps, **_comm_record(engine))
     log.say(f"step {step:>5}/{total} | loss {loss:.4f} | lr {lr:.2e} | loss scale {scale:g} | "
             f"grad norm {'-' if norm is None else f'{norm:.3f}'} | {tok_s:,.0f} tok/s")
 
@@ -199,7 +199,7 @@ def _follower(run: Run, ctx: RunContext, log: RunLog) -> Optional[DirectiveFollo
     follower = DirectiveFollower(engine, ctx.directive, log.say)
     world = engine.topology.world_size
     bandwidth = follower.probe_link() if world > 1 else None
-    log.record(link={"world_size": world, "bandwidth": bandwidth})
+    log.send(LinkProbe(world, bandwidth))
     follower.sync(engine.global_steps)
     return follower
 
@@ -228,8 +228,8 @@ def _header(job: Job, run: Run, threads: int, log: RunLog) -> None:
             f"{va['tokens']:,} tokens ({len(run.val):,} windows)")
     log.say(f"model:  GPT {m.n_layer} layers, d_model {m.d_model}, {m.n_head} heads, context "
             f"{m.seq_len} tokens: {engine.module.num_params() / 1e6:.2f} M parameters")
-    log.record(params={"model.num_params": engine.module.num_params(),
-                       "engine.precision": cfg.base_dtype, "engine.zero_stage": cfg.zero_optimization.stage})
+    log.send(Params({"model.num_params": engine.module.num_params(),
+                     "engine.precision": cfg.base_dtype, "engine.zero_stage": cfg.zero_optimization.stage}))
     sched = cfg.scheduler.type if cfg.scheduler else "constant lr"
     log.say(f"engine: {cfg.base_dtype}, ZeRO stage {cfg.zero_optimization.stage}, "
             f"{cfg.optimizer.type} {cfg.optimizer.params}, {sched}, clip {cfg.gradient_clipping:g}; "

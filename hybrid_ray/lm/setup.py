@@ -13,23 +13,26 @@ import torch
 import torch.distributed as dist
 
 import hybrid_ray
+from hybrid_ray.cluster.records import Metrics, Record, Text
+from hybrid_ray.config.paths import is_uri
 from hybrid_ray.data import ResumableLoader, TokenDataset, ensure_prepared, load_tokenizer, open_split
 from hybrid_ray.data.tokenizer import Tokenizer
-from hybrid_ray.engine.engine import Engine
-from hybrid_ray.engine.topology import Topology
+from hybrid_ray.engine import Engine
+from hybrid_ray.engine import Topology
 from hybrid_ray.lm.job import DataSection, Job
 from hybrid_ray.models import GPT, GPTConfig
 
 
 @dataclass(frozen=True)
 class RunContext:
-    """What a launcher hands the training function: torchrun's launcher now, a Ray worker later.
+    """What a launcher hands the training function: torchrun's launcher, or a Ray worker.
 
     topology: the process group this run uses; None joins (or creates) the default group from
       RANK/WORLD_SIZE, as under torchrun. A Ray worker passes the one it already initialised.
     resume: continue from the newest checkpoint in train.out_dir (none there: start afresh).
-    report: called on rank 0 with every metrics record (train and val losses), e.g. to send them
-      to a driver or MLflow; records also go to train.out_dir/metrics.jsonl.
+    report: called on rank 0 with every record (hybrid_ray.cluster.records: Metrics of train and
+      val losses, Params, Text, LinkProbe, Interval), e.g. to send them to a driver; all but Text
+      also go to train.out_dir/metrics.jsonl.
     threads: torch threads for this process; None splits the cores over LOCAL_WORLD_SIZE ranks.
     on_step: called on every rank after each optimizer step with its number (a Ray worker's
       heartbeat to the driver).
@@ -41,7 +44,7 @@ class RunContext:
 
     topology: Optional[Topology] = None
     resume: bool = False
-    report: Optional[Callable[[dict], None]] = None
+    report: Optional[Callable[[Record], None]] = None
     threads: Optional[int] = None
     on_step: Optional[Callable[[int], None]] = None
     stop: Optional[Callable[[], bool]] = None
@@ -51,9 +54,9 @@ class RunContext:
 class RunLog:
     """Rank 0 prints and records; other ranks stay quiet (torchrun would interleave them)."""
 
-    def __init__(self, rank: int, out_dir: Optional[str], report: Optional[Callable[[dict], None]]):
+    def __init__(self, rank: int, out_dir: Optional[str], report: Optional[Callable[[Record], None]]):
         self.rank, self.report = rank, report
-        local = out_dir is not None and "://" not in out_dir
+        local = out_dir is not None and not is_uri(out_dir)
         self.metrics_path = os.path.join(out_dir, "metrics.jsonl") if local else None
         if self.metrics_path and rank == 0:
             os.makedirs(out_dir, exist_ok=True)
@@ -63,13 +66,18 @@ class RunLog:
             print(msg, flush=True)  # torchrun pipes stdout: flush so the log flows
 
     def record(self, **metrics: Any) -> None:
+        """Metrics of a step (`step=` among them)."""
+        self.send(Metrics(metrics))
+
+    def send(self, rec: Record) -> None:
+        """A record to metrics.jsonl (a text artifact only to the driver) and to `report`."""
         if self.rank != 0:
             return
-        if self.metrics_path:
+        if self.metrics_path and not isinstance(rec, Text):
             with open(self.metrics_path, "a") as f:
-                f.write(json.dumps(metrics) + "\n")
+                f.write(json.dumps(rec.to_json()) + "\n")
         if self.report is not None:
-            self.report(metrics)
+            self.report(rec)
 
 
 def set_threads(threads: Optional[int]) -> int:

@@ -1,8 +1,8 @@
-"""The seed's import path, mirroring `deepspeed.profiling.flops_profiler`.
+"""DeepSpeed's import path `deepspeed.profiling.flops_profiler`, with the package renamed.
 
-Like DeepSpeed's, `get_model_profile` returns three values, `(flops, macs, params)`. The seed's
-section 5.2 unpacks two (`flops, params = get_model_profile(...)`), which raises "too many values
-to unpack" under DeepSpeed as well; write `flops, macs, params = ...` instead.
+Like DeepSpeed's, `get_model_profile` returns three values, `(flops, macs, params)`. Code that
+unpacks two (`flops, params = get_model_profile(...)`) raises "too many values to unpack" under
+DeepSpeed as well; write `flops, macs, params = ...` instead.
 """
 from .model_profile import get_model_profile
 

@@ -1,4 +1,4 @@
-"""Speedometer (seed 6.3): throughput, TFLOPS, MFU and memory every `interval` optimizer steps.
+"""Speedometer: throughput, TFLOPS, MFU and memory every `interval` optimizer steps.
 
     speedometer = hybrid_ray.Speedometer(engine, interval=100, on_report=tracker_callback)
     for x, y in loader:

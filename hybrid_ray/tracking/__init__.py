@@ -3,6 +3,7 @@
 Imports MLflow; the engine never imports this package (workers send their numbers to the driver).
 """
 from .sender import FlushReport
+from .system import sampling_interval_s
 from .tracker import DEFAULT_TRACKING_URI, RunTracker, classify
 
-__all__ = ["RunTracker", "FlushReport", "classify", "DEFAULT_TRACKING_URI"]
+__all__ = ["RunTracker", "FlushReport", "classify", "DEFAULT_TRACKING_URI", "sampling_interval_s"]

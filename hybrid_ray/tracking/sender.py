@@ -64,7 +64,6 @@ class Sender:
         self.staging_dir = staging_dir
         self.max_buffered, self.max_backoff_s = max_buffered, max_backoff_s
         self.state: Optional[RunState] = None
-        self.ready = threading.Event()
         self.sent = self.dropped = self.failed = self.replayed = 0
         self._queue: deque = deque()
         self._buffered = 0  # metric values queued, the part bounded by max_buffered
@@ -128,7 +127,6 @@ class Sender:
                     client = MlflowClient(self.tracking_uri)
                 if self.state is None:
                     self.state = open_run(client, self.experiment, self.run_name)
-                    self.ready.set()
                 self._send_head(client)
                 self._back_up()
                 backoff = 0.5

@@ -44,6 +44,12 @@ def collectors() -> List[object]:
     return out
 
 
+def sampling_interval_s(default: float = 10.0) -> float:
+    """MLflow's sampling interval setting (MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL), read on the
+    driver and handed to the workers: their processes do not see the driver's environment."""
+    return float(MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL.get() or default)
+
+
 class SystemMonitor:
     """Samples every `interval_s`; publishes the average of `samples` samples as one step."""
 

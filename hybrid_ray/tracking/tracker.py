@@ -96,10 +96,6 @@ class RunTracker:
         state = self._sender.state
         return None if state is None else state.resumed
 
-    def wait_ready(self, timeout_s: Optional[float] = None) -> bool:
-        """Block until the run is open (for tests and for printing the run's URL)."""
-        return self._sender.ready.wait(timeout_s)
-
     @property
     def pending(self) -> int:
         """Items queued but not yet acknowledged by MLflow."""

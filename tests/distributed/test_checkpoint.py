@@ -9,8 +9,8 @@ import torch
 
 from hybrid_ray.engine.zero import relayout
 from hybrid_ray.engine.checkpoint.storage import TENSOR_EXT
-from hybrid_ray.engine.engine import Engine
-from hybrid_ray.engine.topology import Topology
+from hybrid_ray.engine import Engine
+from hybrid_ray.engine import Topology
 from hybrid_ray.models import GPT
 from tests.distributed import spawn
 from tests.distributed.test_zero_parity import CFG, S3, batch, config

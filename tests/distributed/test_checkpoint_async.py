@@ -10,9 +10,9 @@ import torch
 
 from hybrid_ray.cli import main as cli
 from hybrid_ray.engine.checkpoint import write as cwrite
-from hybrid_ray.engine.checkpoint import CheckpointError
-from hybrid_ray.engine.engine import Engine
-from hybrid_ray.engine.topology import Topology
+from hybrid_ray.engine import CheckpointError
+from hybrid_ray.engine import Engine
+from hybrid_ray.engine import Topology
 from hybrid_ray.models import GPT
 from tests.distributed import spawn
 from tests.distributed.test_checkpoint import assert_same, exported, train

@@ -15,9 +15,9 @@ import torch.nn as nn
 
 from hybrid_ray.engine.comm import probe_bandwidth
 from hybrid_ray.engine.compression.topk import TopK
-from hybrid_ray.engine.engine import Engine
+from hybrid_ray.engine import Engine
 from hybrid_ray.engine.compression.powersgd import PowerSGD
-from hybrid_ray.engine.topology import Topology
+from hybrid_ray.engine import Topology
 from tests.distributed import spawn
 
 pytestmark = [pytest.mark.dist]

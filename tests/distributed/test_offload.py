@@ -25,8 +25,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from hybrid_ray.engine.engine import Engine
-from hybrid_ray.engine.topology import Topology
+from hybrid_ray.engine import Engine
+from hybrid_ray.engine import Topology
 from hybrid_ray.models import GPT, GPT_SIZES
 from tests.distributed import spawn
 

@@ -10,7 +10,7 @@ import pytest
 import torch.distributed as dist
 
 from hybrid_ray.data import build_dataloader, split_global_batch
-from hybrid_ray.engine.topology import Topology
+from hybrid_ray.engine import Topology
 from tests.distributed import spawn
 from tests.unit.test_sampler import Indices
 

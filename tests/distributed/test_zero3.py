@@ -15,8 +15,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from hybrid_ray import register_external_parameter
-from hybrid_ray.engine.engine import Engine
-from hybrid_ray.engine.topology import Topology
+from hybrid_ray.engine import Engine
+from hybrid_ray.engine import Topology
 from tests.distributed import spawn
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]

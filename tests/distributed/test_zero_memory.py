@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hybrid_ray.engine.engine import Engine
-from hybrid_ray.engine.topology import Topology
+from hybrid_ray.engine import Engine
+from hybrid_ray.engine import Topology
 from hybrid_ray.models import GPT, GPT_SIZES
 from tests.distributed import spawn
 

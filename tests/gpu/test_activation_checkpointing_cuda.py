@@ -10,8 +10,8 @@ from typing import Dict, Optional, Tuple
 import pytest
 import torch
 
-from hybrid_ray.engine.engine import Engine
-from hybrid_ray.engine.topology import Topology
+from hybrid_ray.engine import Engine
+from hybrid_ray.engine import Topology
 from hybrid_ray.models import GPT, GPT_SIZES
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 
 from hybrid_ray.engine import comm
-from hybrid_ray.engine.engine import Engine
+from hybrid_ray.engine import Engine
 from hybrid_ray.engine.compression.powersgd import PowerSGD
-from hybrid_ray.engine.topology import Topology
+from hybrid_ray.engine import Topology
 from hybrid_ray.models import GPT
 from tests.distributed import spawn
 from tests.gpu.test_offload_cuda import CFG, MICRO, batch

@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hybrid_ray.engine.engine import Engine
-from hybrid_ray.engine.topology import Topology
+from hybrid_ray.engine import Engine
+from hybrid_ray.engine import Topology
 from tests.distributed import spawn
 from tests.gpu.test_offload_cuda import CFG, CUDA0, MICRO, STEPS, batch, max_rel_err, reference
 from hybrid_ray.models import GPT

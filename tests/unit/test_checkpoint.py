@@ -10,8 +10,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from hybrid_ray.engine.zero import relayout
-from hybrid_ray.engine.checkpoint import CheckpointError
-from hybrid_ray.engine.engine import Engine
+from hybrid_ray.engine import CheckpointError
+from hybrid_ray.engine import Engine
 
 CFG = {"train_micro_batch_size_per_gpu": 4,
        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from hybrid_ray.engine.checkpoint import write as checkpoint_write
-from hybrid_ray.engine.checkpoint import CheckpointError
-from hybrid_ray.engine.topology import Topology
+from hybrid_ray.engine import CheckpointError
+from hybrid_ray.engine import Topology
 
 
 def test_abort_ends_a_commit_wait_now_and_a_fresh_handle_restores_waiting() -> None:
@@ -40,7 +40,7 @@ def test_a_wait_still_times_out_without_abort() -> None:
 
 
 def test_the_engines_checkpointer_waits_on_its_topologys_abort() -> None:
-    from hybrid_ray.engine.engine import Engine
+    from hybrid_ray.engine import Engine
 
     topo = Topology(0, 1, torch.device("cpu"))
     engine = Engine(torch.nn.Linear(2, 2), {"train_batch_size": 1}, topology=topo)

@@ -9,7 +9,7 @@ import torch
 
 from hybrid_ray.config import ConfigError, load_config
 from hybrid_ray.engine.checkpoint import write as cwrite
-from hybrid_ray.engine.checkpoint import CheckpointError
+from hybrid_ray.engine import CheckpointError
 from tests.unit.test_checkpoint import CFG, assert_equal_state, make, state, train
 
 

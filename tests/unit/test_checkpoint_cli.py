@@ -12,7 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from hybrid_ray.cli import main as cli
-from hybrid_ray.engine.engine import Engine
+from hybrid_ray.engine import Engine
 
 CFG = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from hybrid_ray.cli import main as cli
-from hybrid_ray.engine.checkpoint import CheckpointError
+from hybrid_ray.engine import CheckpointError
 from tests.unit.test_checkpoint import make, state, train
 
 REPO = Path(__file__).resolve().parents[2]

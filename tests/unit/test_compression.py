@@ -12,11 +12,11 @@ from hybrid_ray.config import ConfigError, load_config
 from hybrid_ray.engine.comm import probe_bandwidth
 from hybrid_ray.engine.compression.stats import CommStats, StepTimer
 from hybrid_ray.engine.compression.topk import TopK
-from hybrid_ray.engine.engine import Engine
+from hybrid_ray.engine import Engine
 from hybrid_ray.engine.compression.powersgd import PowerSGD, _Plan
 from hybrid_ray.engine.compression import Reduction
 from hybrid_ray.engine.zero.reducer import GradReducer, ReduceOptions
-from hybrid_ray.engine.topology import Topology
+from hybrid_ray.engine import Topology
 
 
 def error_of(raw: dict) -> str:

@@ -13,7 +13,6 @@ from hybrid_ray.engine.loss_scaler import (
     LossScaler,
     LossScaleUnderflowError,
     NoLossScaler,
-    ScaleEvent,
     StaticLossScaler,
     UserLossScaler,
     build_loss_scaler,
@@ -110,19 +109,17 @@ def test_underflow_only_when_no_hysteresis_left() -> None:
         s.update(True)
 
 
-def test_events_describe_skips_and_changes() -> None:
+def test_updates_spend_hysteresis_shrink_and_grow() -> None:
     s = DynamicLossScaler(hysteresis=2, scale_window=2)
-    assert s.last_event is None
-    ev = s.update(True)
-    assert ev == ScaleEvent(0, True, 65536, 65536, 1) and s.last_event is ev
-    assert str(ev) == "step 0 skipped: loss scale 65536 kept (hysteresis left 1)"
-    ev = s.update(True)
-    assert ev == ScaleEvent(1, True, 65536, 32768, 1) and ev.skipped
-    assert str(ev) == "step 1 skipped: loss scale 65536 -> 32768"
-    assert s.update(False) is None and s.last_event is None  # it2: nothing to report
-    ev = s.update(False)  # it3: (3 - 1) % 2 == 0
-    assert ev == ScaleEvent(3, False, 32768, 65536, 2) and not ev.skipped
-    assert str(ev) == "step 3: loss scale 32768 -> 65536"
+
+    def after(flag: bool) -> tuple:
+        s.update(flag)
+        return s.cur_iter, s.last_overflow_iter, s.loss_scale, s.cur_hysteresis
+
+    assert after(True) == (1, 0, 65536, 1)  # it0: scale kept, one unit of hysteresis spent
+    assert after(True) == (2, 1, 32768, 1)  # it1: no hysteresis left, halved
+    assert after(False) == (3, 1, 32768, 1)  # it2: nothing changes
+    assert after(False) == (4, 1, 65536, 2)  # it3: (3 - 1) % 2 == 0: grown, hysteresis refilled
 
 
 def test_state_dict_round_trip_mid_sequence_continues_identically() -> None:
@@ -132,12 +129,14 @@ def test_state_dict_round_trip_mid_sequence_continues_identically() -> None:
     run(a, flags[:23])
     b = DynamicLossScaler(**kwargs)
     b.load_state_dict(json.loads(json.dumps(a.state_dict())))  # plain types only
-    events_a, events_b = [], []
+    states_a, states_b = [], []
     for flag in flags[23:]:
-        events_a.append(a.update(flag))
-        events_b.append(b.update(flag))
+        a.update(flag)
+        b.update(flag)
+        states_a.append(a.state_dict())
+        states_b.append(b.state_dict())
         assert a.loss_scale == b.loss_scale
-    assert events_a == events_b and any(events_a)
+    assert states_a == states_b and len({st["cur_scale"] for st in states_a}) > 1
 
 
 def test_state_from_another_kind_is_ignored() -> None:
@@ -158,9 +157,9 @@ def test_static_scaler_reports_overflow_but_never_changes() -> None:
     assert not s.dynamic
     assert run(s, [T, F, T, T, F]) == [128] * 5
     s = StaticLossScaler(128)
-    assert s.update(False) is None
-    assert s.update(True) == ScaleEvent(1, True, 128, 128)
-    assert str(s.last_event) == "step 1 skipped: loss scale 128 kept"
+    s.update(False)
+    s.update(True)
+    assert s.loss_scale == 128 and s.state_dict() == {"kind": "static", "iteration": 2}
 
 
 def test_no_loss_scaler() -> None:
@@ -175,14 +174,14 @@ def test_user_adapter_with_seed_class() -> None:
     assert s.loss_scale == 2**16 and s.dynamic
     assert s.scale_loss(2.0) == 2.0**17
     assert run(s, [T, F, F]) == [32768, 65536, 131072]
-    assert s.last_event == ScaleEvent(2, False, 65536, 131072)
+    assert s.state_dict()["iteration"] == 3
     state = json.loads(json.dumps(s.state_dict()))
     assert state["user_state"] == {"current_scale": 131072, "scale_factor": 2, "unscaled_loss": 0}
     fresh = UserLossScaler(CustomLossScaler())
     fresh.load_state_dict(state)
     assert fresh.loss_scale == 131072
     fresh.update(True)
-    assert fresh.last_event == ScaleEvent(3, True, 131072, 65536)
+    assert fresh.loss_scale == 65536 and fresh.state_dict()["iteration"] == 4
 
 
 def test_user_adapter_alternative_names_and_own_state_dict() -> None:

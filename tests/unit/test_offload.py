@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from hybrid_ray import ConfigError, NotSupportedError, load_config
-from hybrid_ray.engine.engine import Engine
+from hybrid_ray.engine import Engine
 from hybrid_ray.engine.zero.offload import cpu_optimizer_kwargs, frozen_hyperparameters
-from hybrid_ray.engine.topology import Topology
+from hybrid_ray.engine import Topology
 from hybrid_ray.models import GPT
 from tests.distributed.test_offload import CFG, STEPS, batch, config, max_rel_err, params, reference
 

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from hybrid_ray.engine.engine import Engine
-from hybrid_ray.engine.topology import Topology
+from hybrid_ray.engine import Engine
+from hybrid_ray.engine import Topology
 from hybrid_ray.models import GPT, GPT_SIZES
 
 CPU = Topology(0, 1, torch.device("cpu"))

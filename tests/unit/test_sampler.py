@@ -14,7 +14,7 @@ from torch.utils.data import Dataset
 
 import hybrid_ray
 from hybrid_ray.data import GlobalBatchSampler, ResumableLoader, build_dataloader, split_global_batch
-from hybrid_ray.engine.topology import Topology
+from hybrid_ray.engine import Topology
 
 CPU = torch.device("cpu")
 

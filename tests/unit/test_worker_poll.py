@@ -2,7 +2,7 @@
 (a timeout under load) loses no record, and no record is delivered twice."""
 from __future__ import annotations
 
-from hybrid_ray.cluster.group import Member
+from hybrid_ray.cluster.status import Member
 from hybrid_ray.cluster.worker import Worker
 
 
@@ -14,11 +14,11 @@ def test_records_survive_a_lost_reply_and_arrive_once():
     assert [r for _, r in lost["records"]] == [{"step": 1}, {"step": 2}]
 
     first = member.take_news(worker.poll(member.acked))
-    assert first["records"] == [{"step": 1}, {"step": 2}] and member.acked == 2
+    assert list(first.records) == [{"step": 1}, {"step": 2}] and member.acked == 2
     worker._report({"step": 3})
     again = worker.poll(0)  # a stale ack (say, a retried call) re-sends, the member filters
-    assert member.take_news(again)["records"] == [{"step": 3}]
-    assert member.take_news(worker.poll(member.acked))["records"] == []
+    assert list(member.take_news(again).records) == [{"step": 3}]
+    assert list(member.take_news(worker.poll(member.acked)).records) == []
     assert worker._records == []  # acknowledged records are dropped on the worker
 
 

@@ -16,6 +16,8 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
+from hybrid_ray.config.paths import is_uri
+
 try:  # optional
     import safetensors.torch as _safetensors
 except ImportError:  # pragma: no cover - depends on the environment
@@ -31,7 +33,7 @@ class CheckpointError(RuntimeError):
 def filesystem(path_or_uri: str):
     """(pyarrow FileSystem, path inside it) for a plain local path or a URI."""
     import pyarrow.fs as pafs
-    if "://" in str(path_or_uri):
+    if is_uri(path_or_uri):
         fs, path = pafs.FileSystem.from_uri(str(path_or_uri))
         return fs, path.rstrip("/")
     return pafs.LocalFileSystem(), os.path.abspath(os.fspath(path_or_uri))

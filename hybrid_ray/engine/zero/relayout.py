@@ -1,7 +1,7 @@
 """Moving fp32 state between the sharded flat layout and one tensor per parameter.
 
 Used whenever the layout changes under a running job: a precision switch (parameters move to
-flat spaces of another dtype) and, later, loading a checkpoint at another world size. The fp32
+flat spaces of another dtype) and loading a checkpoint at another world size. The fp32
 master values and every per-element optimizer state (Adam's moments, SGD's momentum) travel;
 scalar state such as Adam's step count is kept as is.
 """

@@ -1,0 +1,78 @@
+"""The LM driver's one place where worker records and membership events go: MLflow calls, the
+progress display, and the compression coordinator's input.
+
+Each record kind (hybrid_ray.cluster.records) has one route; the controller only forwards them.
+"""
+from __future__ import annotations
+
+import logging
+import posixpath
+import sys
+import tempfile
+from typing import Any, Callable, Dict
+
+from hybrid_ray.cluster.compression_driver import CompressionCoordinator
+from hybrid_ray.cluster.progress import ProgressReporter
+from hybrid_ray.cluster.records import Interval, LinkProbe, Metrics, Params, Record, SystemSample, Text
+from hybrid_ray.engine.checkpoint.offline import export
+from hybrid_ray.tracking import RunTracker
+
+log = logging.getLogger("hybrid_ray.lm")
+
+
+class RecordRouter:
+    """Routes every record and event of one run (the trainer's on_record and on_event)."""
+
+    def __init__(self, tracker: RunTracker, progress: ProgressReporter,
+                 coordinator: CompressionCoordinator):
+        self.tracker, self.progress, self.coordinator = tracker, progress, coordinator
+        self._routes: Dict[type, Callable[[Any], None]] = {
+            Metrics: self._metrics,
+            Params: lambda rec: tracker.log_params(rec.params),
+            Text: lambda rec: tracker.log_text(rec.text, rec.name),
+            SystemSample: lambda rec: tracker.log_system_metrics(rec.values, rec.node, rec.timestamp_ms),
+            LinkProbe: coordinator.on_link,
+            Interval: self._interval,
+        }
+
+    def __call__(self, rec: Record) -> None:
+        route = self._routes.get(type(rec))
+        if route is None:  # a kind this job does not know: say so, lose nothing else
+            log.warning("ignoring a %s record from a worker", getattr(rec, "kind", type(rec).__name__))
+            return
+        route(rec)
+
+    def event(self, msg: str) -> None:
+        self.progress.event(msg)
+        self.tracker.event(msg)
+
+    def _metrics(self, rec: Metrics) -> None:
+        self.progress.record(rec)
+        if rec.step is not None:
+            self.tracker.log_metrics(rec, rec.step)
+
+    def _interval(self, rec: Interval) -> None:
+        self.coordinator.on_interval(rec)  # step timings: compression decisions
+        if rec.step is not None:  # compression_id in MLflow shows when the setting changed
+            self.tracker.log_metrics(rec.metrics(), rec.step)
+
+
+def finish_tracking(tracker: RunTracker, checkpoints: str, result: Any) -> None:
+    """Final numbers, where the checkpoints are, the exported model; then close the run."""
+    r = result.value
+    tracker.log_metrics({"final_val_loss": r.val_loss, "unigram_baseline": r.unigram_nats,
+                         "failures": result.failures}, r.steps, monotonic=False)
+    tracker.set_tags({"checkpoints": checkpoints, "world_sizes": str(result.world_sizes)})
+    if r.sample:
+        tracker.log_text(r.sample, "sample.txt")
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = posixpath.join(tmp, "model.safetensors")
+            tag, _ = export(checkpoints, out)
+            tracker.log_artifact(out, "model")  # copied now: the folder goes away below
+            tracker.set_tags({"exported_checkpoint": tag})
+    except Exception as exc:  # noqa: BLE001 - a missing export must not fail a finished run
+        print(f"warning: model export for MLflow failed: {exc}", file=sys.stderr)
+    report = tracker.close("FINISHED")
+    if report.unsent:
+        print(f"warning: {report.unsent} MLflow item(s) could not be sent", file=sys.stderr)
