@@ -9,7 +9,7 @@ built on the workers, under torchrun too.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Dict, Iterator, Mapping, Optional
+from typing import Any, ClassVar, Dict, Mapping, Optional
 
 
 class Record:
@@ -22,39 +22,27 @@ class Record:
         raise NotImplementedError
 
 
-class Metrics(Record, Mapping):
-    """Numbers of one step (losses, rates, sizes), as `ctx.report(dict)` sends them. It reads
-    like that dict, with `world_size` (of the group that reported it) added where absent."""
+class Metrics(dict, Record):
+    """Numbers of one step (losses, rates, sizes), as `ctx.report(dict)` sends them: that dict,
+    with `world_size` (of the group that reported it) added where absent. A dict, so it goes
+    into JSON and reads as before."""
 
     kind = "metrics"
-    __slots__ = ("_values",)
 
     def __init__(self, values: Mapping[str, Any], world_size: Optional[int] = None):
-        self._values = dict(values)
+        super().__init__(values)
         if world_size is not None:
-            self._values.setdefault("world_size", world_size)
+            self.setdefault("world_size", world_size)
 
     @property
     def step(self) -> Optional[int]:
-        return self._values.get("step")
-
-    def __getitem__(self, key: str) -> Any:
-        return self._values[key]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._values)
-
-    def __len__(self) -> int:
-        return len(self._values)
+        return self.get("step")
 
     def __repr__(self) -> str:
-        return f"Metrics({self._values!r})"
-
-    def __reduce__(self) -> tuple:
-        return (Metrics, (self._values,))
+        return f"Metrics({dict.__repr__(self)})"
 
     def to_json(self) -> Dict[str, Any]:
-        return dict(self._values)
+        return dict(self)
 
 
 @dataclass(frozen=True)

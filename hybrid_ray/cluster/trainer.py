@@ -14,6 +14,8 @@ from __future__ import annotations
 import os
 from typing import Callable, Optional
 
+import ray
+
 from hybrid_ray.config.cluster import FailureConfig, ScalingConfig
 from hybrid_ray.config.paths import absolute
 
@@ -56,7 +58,6 @@ class ElasticTrainer:
 
 def connect(address: Optional[str]) -> None:
     """Join the cluster (address, RAY_ADDRESS) or start a local one; keep an existing session."""
-    import ray
     if ray.is_initialized():
         return
     # Ray 2.60 turns token authentication on once a token exists; a local session started here
@@ -68,5 +69,4 @@ def connect(address: Optional[str]) -> None:
 
 def cluster_has_gpus() -> bool:
     """Whether the connected cluster has at least one GPU (for `use_gpu=None`: let it decide)."""
-    import ray
     return ray.cluster_resources().get("GPU", 0) >= 1

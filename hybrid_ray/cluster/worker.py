@@ -49,7 +49,7 @@ class Worker:
 
     # ---- identity and rendezvous -----------------------------------------------------
     def info(self) -> Dict[str, Any]:
-        import ray
+        import ray  # only ever called on the actor; the class itself is tested without Ray
         ctx = ray.get_runtime_context()
         return {"ip": ray.util.get_node_ip_address(), "node_id": ctx.get_node_id(),
                 "pid": os.getpid(), "gpus": [str(g) for g in ray.get_gpu_ids()]}

@@ -20,6 +20,8 @@ from typing import Any, Callable, Optional
 import psutil
 import torch
 
+from hybrid_ray.engine.flops.counter import batch_shape
+
 from .peaks import device_name, peak_flops as table_peak
 
 GiB = float(2 ** 30)
@@ -105,7 +107,6 @@ class Speedometer:
         return True
 
     def _watch_one_input(self) -> None:
-        from hybrid_ray.engine.flops.counter import batch_shape
         module = getattr(self.engine, "module", None)
         if module is None:
             return

@@ -1,4 +1,4 @@
-"""Checkpoints that load at any world size and ZeRO stage, survive crashes, save asynchronously.
+"""The Checkpointer, an engine's saves and loads, and the layout of one checkpoint on storage.
 
 Layout of one checkpoint, `<root>/<tag>/`:
 

@@ -12,6 +12,8 @@ import logging
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
+import pyarrow.fs as pafs
+
 from . import storage as cio
 from . import read as cread
 
@@ -45,7 +47,6 @@ def stale_staging(fs, root: str) -> List[str]:
     Saves into one root are serialised (a save starts only after the previous one finished on
     every rank), so when a commit has just finished every staging name belongs to a dead save.
     """
-    import pyarrow.fs as pafs
     infos = fs.get_file_info(pafs.FileSelector(root, allow_not_found=True))
     return [i.path for i in infos if cread.STAGING in i.base_name]
 
@@ -75,7 +76,6 @@ def apply(fs, root: str, keep_last: Optional[int], keep_every: Optional[int]) ->
 
 
 def _delete(fs, path: str) -> None:
-    import pyarrow.fs as pafs
     if fs.get_file_info(path).type == pafs.FileType.Directory:
         fs.delete_dir(path)
     else:

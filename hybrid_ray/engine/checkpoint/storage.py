@@ -14,6 +14,7 @@ import secrets
 import struct
 from typing import Dict, Optional, Tuple
 
+import pyarrow.fs as pafs
 import torch
 
 from hybrid_ray.config.paths import is_uri
@@ -32,7 +33,6 @@ class CheckpointError(RuntimeError):
 
 def filesystem(path_or_uri: str):
     """(pyarrow FileSystem, path inside it) for a plain local path or a URI."""
-    import pyarrow.fs as pafs
     if is_uri(path_or_uri):
         fs, path = pafs.FileSystem.from_uri(str(path_or_uri))
         return fs, path.rstrip("/")
@@ -64,13 +64,11 @@ def write_atomic(fs, path: str, data: bytes) -> None:
 
 
 def is_local(fs) -> bool:
-    import pyarrow.fs as pafs
     return isinstance(fs, pafs.LocalFileSystem)
 
 
 def file_sizes(fs, path: str) -> Dict[str, int]:
     """{file name: bytes} of the files directly inside a directory (one listing)."""
-    import pyarrow.fs as pafs
     infos = fs.get_file_info(pafs.FileSelector(path, allow_not_found=True))
     return {i.base_name: i.size for i in infos if i.type == pafs.FileType.File}
 
@@ -81,17 +79,14 @@ def read_bytes(fs, path: str) -> bytes:
 
 
 def exists(fs, path: str) -> bool:
-    import pyarrow.fs as pafs
     return fs.get_file_info(path).type != pafs.FileType.NotFound
 
 
 def is_dir(fs, path: str) -> bool:
-    import pyarrow.fs as pafs
     return fs.get_file_info(path).type == pafs.FileType.Directory
 
 
 def list_dirs(fs, path: str):
-    import pyarrow.fs as pafs
     if not is_dir(fs, path):
         return []
     infos = fs.get_file_info(pafs.FileSelector(path, recursive=False))
@@ -198,7 +193,6 @@ def read_text(fs, path: str) -> Optional[str]:
 def copy_dir_manifest_last(fs, src: str, dst: str, last: str = "manifest.json") -> None:
     """Copy the files of src into dst with `last` copied last, then delete src (for stores
     without directory moves, e.g. S3: a reader trusts only a directory with a manifest)."""
-    import pyarrow.fs as pafs
     fs.create_dir(dst, recursive=True)
     names = [i.base_name for i in fs.get_file_info(pafs.FileSelector(src)) if i.type == pafs.FileType.File]
     for name in sorted(names, key=lambda n: n == last):
