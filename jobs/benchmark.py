@@ -52,7 +52,7 @@ SUITES: Dict[str, List[dict]] = {
     "offload1": [dict(impl="torch", model="1.3b"), dict(impl="hybrid", stage=2, offload=True, model="1.3b"),
                  dict(impl="hybrid", stage=2, offload=True, delayed=True, model="1.3b"),
                  dict(impl="deepspeed", stage=2, offload=True, model="1.3b")],
-    # Issue 3's offload target: two GPUs, 1.3B, ZeRO-2 + offload, against DeepSpeed's own.
+    # The two-GPU offload target: 1.3B, ZeRO-2 + offload, against DeepSpeed's own.
     "offload2": [dict(impl="deepspeed", stage=2, offload=True, model="1.3b"),
                  dict(impl="hybrid", stage=2, offload=True, model="1.3b"),
                  dict(impl="hybrid", stage=2, offload=True, delayed=True, model="1.3b")],
