@@ -76,6 +76,8 @@ def test_loopback(tmp_path):
 def test_refusals(monkeypatch, capsys):
     bench = load_script("bench_compression")
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    # ip and tc live in /usr/sbin, which a plain user's PATH may lack: only "not root" is tested
+    monkeypatch.setattr(bench.shutil, "which", lambda name: f"/usr/sbin/{name}")
     with pytest.raises(SystemExit) as exc:
         bench.main(["--link", "netns"])
     assert str(exc.value) == ("bench_compression: --link netns needs root and iproute2's ip and tc "
