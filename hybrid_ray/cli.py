@@ -35,12 +35,10 @@ def _parser() -> argparse.ArgumentParser:
     check.set_defaults(func=_config_check)
     train = sub.add_parser("train", help="train the GPT LM job: torchrun here, or elastic on Ray (--workers/--min-workers)")
     train.add_argument("config", help="job file, e.g. jobs/configs/small_cpu.json")
-    from hybrid_ray.lm.launch import add_nproc, add_ray  # deferred: keeps `config check` light
+    from hybrid_ray.lm.launch import add_job_options, add_nproc, add_ray  # deferred: keeps `config check` light
 
     add_nproc(train)
-    train.add_argument("--resume", action="store_true", help="torchrun: continue from the newest checkpoint")
-    train.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE", dest="overrides",
-                       help="override a job file value (repeatable)")
+    add_job_options(train)
     add_ray(train)
     train.set_defaults(func=_train)
     checkpoint_cli.add_commands(sub)
@@ -78,7 +76,7 @@ def _train(args: argparse.Namespace) -> int:
     sizes = ray_sizes(args)
     if sizes is not None:
         return run_on_ray(args, *sizes)
-    return run(args.config, args.nproc, args.resume, args.overrides)
+    return run(args.config, args.nproc, args.resume, args.overrides, args.steps)
 
 
 def main(argv: Optional[List[str]] = None) -> int:

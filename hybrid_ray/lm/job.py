@@ -119,13 +119,16 @@ def is_job_file(raw: Any) -> bool:
 
 
 def load_job(source: Union[str, os.PathLike, Mapping[str, Any]],
-             overrides: Sequence[str] = ()) -> Job:
+             overrides: Sequence[str] = (), steps: Optional[int] = None) -> Job:
     """Load and validate a job file (path or dict), with `KEY.PATH=VALUE` overrides applied
-    first (see apply_overrides); every error is one-line ConfigError."""
+    first (see apply_overrides), then `steps` (see with_steps); every error is one-line
+    ConfigError."""
     path = "" if isinstance(source, Mapping) else str(source)
     raw = source if isinstance(source, Mapping) else read_json(Path(source))
     if overrides:
         raw = apply_overrides(raw, overrides)
+    if steps is not None:
+        raw = with_steps(raw, steps)
     if not isinstance(raw, Mapping):
         raise config_error("", "expected an object", raw, "sections: " + ", ".join(SECTIONS))
     if not is_job_file(raw):
@@ -166,6 +169,31 @@ def apply_overrides(raw: Any, overrides: Sequence[str]) -> dict:
                 raise config_error(key, "cannot set inside a non-object", node[name])
             node = node.setdefault(name, {})
         node[last] = value
+    return out
+
+
+def with_steps(raw: Any, steps: int) -> dict:
+    """A copy of raw that runs `steps` optimizer steps: train.steps, and the learning-rate
+    schedule's total_num_steps and warmup_num_steps scaled to keep the schedule's shape (the
+    warm-up at least one step, and shorter than the run, which a decay schedule needs), so one
+    flag shortens a run."""
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise config_error("--steps", "out of range", steps, "allowed: an integer >= 1")
+    out = copy.deepcopy(dict(raw)) if isinstance(raw, Mapping) else {}
+    train = out.setdefault("train", {})
+    if not isinstance(train, dict):
+        raise config_error("train", "cannot set inside a non-object", train)
+    before, train["steps"] = train.get("steps"), steps
+    engine = out.get("engine")
+    scheduler = engine.get("scheduler") if isinstance(engine, dict) else None
+    params = scheduler.get("params") if isinstance(scheduler, dict) else None
+    if not isinstance(params, dict):
+        return out
+    scale = steps / before if isinstance(before, int) and before > 0 else 1.0
+    if "total_num_steps" in params:
+        params["total_num_steps"] = steps
+    if isinstance(params.get("warmup_num_steps"), int):
+        params["warmup_num_steps"] = min(steps - 1, max(1, round(params["warmup_num_steps"] * scale)))
     return out
 
 

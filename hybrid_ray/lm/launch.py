@@ -35,13 +35,21 @@ def parser(prog: str = "train_lm.py") -> argparse.ArgumentParser:
     p.add_argument("--config", required=True,
                    help="job file: {engine, model, data, train} sections (jobs/configs/*.json)")
     add_nproc(p)
+    add_job_options(p)
+    add_ray(p)
+    return p
+
+
+def add_job_options(p: argparse.ArgumentParser) -> None:
+    """What changes the job file's run: resuming, overrides, its length."""
     p.add_argument("--resume", action="store_true",
                    help="continue from the newest checkpoint in train.out_dir (if there is one)")
     p.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE", dest="overrides",
                    help="override a job file value, e.g. --set engine.bf16.enabled=false "
                         "--set train.out_dir=runs/fp32 (VALUE is JSON, else a string); repeatable")
-    add_ray(p)
-    return p
+    p.add_argument("--steps", type=int, default=None, metavar="N",
+                   help="run N optimizer steps: train.steps, and the learning-rate schedule's "
+                        "total and warm-up steps scaled to match (applied after --set)")
 
 
 def add_ray(p: argparse.ArgumentParser) -> None:
@@ -84,17 +92,19 @@ def main(argv: Optional[List[str]] = None, prog: str = "train_lm.py") -> int:
     sizes = None if launched() else ray_sizes(args)
     if sizes is not None:
         return run_on_ray(args, *sizes)
-    return run(args.config, args.nproc, args.resume, args.overrides)
+    return run(args.config, args.nproc, args.resume, args.overrides, args.steps)
 
 
 def run_on_ray(args: argparse.Namespace, min_workers: int, max_workers: int) -> int:
     """The elastic run: a driver here, the ranks on Ray workers (always resuming: elastic runs
     continue from their newest checkpoint after every membership change)."""
     from hybrid_ray.lm.elastic import run_elastic
-    from hybrid_ray.lm.job import apply_overrides
+    from hybrid_ray.lm.job import apply_overrides, with_steps
 
     try:
         raw = apply_overrides(read_json(Path(args.config)), args.overrides)
+        if args.steps is not None:
+            raw = with_steps(raw, args.steps)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_CONFIG
@@ -102,13 +112,14 @@ def run_on_ray(args: argparse.Namespace, min_workers: int, max_workers: int) -> 
                        run_name=args.run_name, max_failures=args.max_failures)
 
 
-def run(config: str, nproc: int, resume: bool = False, overrides: Sequence[str] = ()) -> int:
+def run(config: str, nproc: int, resume: bool = False, overrides: Sequence[str] = (),
+        steps: Optional[int] = None) -> int:
     """Validate the job file before any process starts, then train; returns the exit code."""
     if nproc < 1:
         print(f"error: --nproc: out of range; got {nproc}; allowed: >= 1", file=sys.stderr)
         return EXIT_CONFIG
     try:
-        job = load_job(config, overrides)
+        job = load_job(config, overrides, steps)
         # Batch sizes depend on the world size: check them before starting any process.
         for_world(job, int(os.environ.get("WORLD_SIZE", nproc)))
     except ConfigError as exc:
@@ -117,7 +128,7 @@ def run(config: str, nproc: int, resume: bool = False, overrides: Sequence[str] 
     if launched() or nproc == 1:
         return run_worker(job, resume)
     code = prepare_here(job)
-    return code if code else relaunch(config, nproc, resume, overrides)
+    return code if code else relaunch(config, nproc, resume, overrides, steps)
 
 
 def prepare_here(job: Job) -> int:
@@ -156,7 +167,8 @@ def run_worker(job: Job, resume: bool = False) -> int:
             dist.destroy_process_group()
 
 
-def relaunch(config: str, nproc: int, resume: bool = False, overrides: Sequence[str] = ()) -> int:
+def relaunch(config: str, nproc: int, resume: bool = False, overrides: Sequence[str] = (),
+             steps: Optional[int] = None) -> int:
     """Run N ranks with torchrun (gloo on CPU, one GPU each on CUDA); returns its exit code."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     env = dict(os.environ)
@@ -168,6 +180,7 @@ def relaunch(config: str, nproc: int, resume: bool = False, overrides: Sequence[
            f"--nproc_per_node={nproc}", "-m", "hybrid_ray.lm", "--config", str(Path(config).resolve())]
     cmd += ["--resume"] if resume else []
     cmd += [arg for item in overrides for arg in ("--set", item)]
+    cmd += ["--steps", str(steps)] if steps is not None else []
     print(f"launching {nproc} processes: {' '.join(cmd[1:])}", flush=True)
     start = time.perf_counter()
     code = subprocess.call(cmd, env=env)

@@ -82,7 +82,8 @@ def train(job: Job, ctx: Optional[RunContext] = None) -> RunResult:
     if job.train.require_below_baseline and not val_loss < baseline:
         raise DidNotLearnError(
             f"final val loss {val_loss:.4f} is not below the unigram baseline {baseline:.4f} "
-            "nats/token: the model learned nothing from context (train longer or raise the lr)")
+            "nats/token: the model learned nothing from context (train longer or raise the lr; "
+            "for a run too short to learn, --set train.require_below_baseline=false)")
     return RunResult(run.engine.global_steps, train_loss, val_loss, baseline, seconds, tok_s, text)
 
 

@@ -133,3 +133,30 @@ def test_tracking_section():
     assert load_job(TINY).tracking.uri is None
     with pytest.raises(ConfigError, match=r"^tracking.url: unknown key"):
         load_job({**TINY, "tracking": {"url": "x"}})
+
+
+def test_steps_shortens_a_run_in_one_flag():
+    from hybrid_ray.config.api import read_json
+
+    raw = read_json(Path(__file__).resolve().parents[2] / "jobs" / "configs" / "small_cpu.json")
+    with pytest.raises(ConfigError, match="contradiction"):  # what --set train.steps=20 meets
+        load_job(raw, ["train.steps=20"])
+    job = load_job(raw, steps=20)
+    params = job.engine.scheduler.params
+    assert job.train.steps == params.total_num_steps == 20
+    assert params.warmup_num_steps == 2  # 50 of 600 steps, scaled: the schedule keeps its shape
+    assert load_job(raw, steps=1).engine.scheduler.params.warmup_num_steps == 0  # < total
+    assert load_job(raw, ["train.eval_interval=5"], steps=30).train.eval_interval == 5
+    with pytest.raises(ConfigError, match=r"^--steps: out of range; got 0"):
+        load_job(raw, steps=0)
+
+
+def test_steps_flag_runs_that_many_steps(data_dir, tmp_path, capsys):
+    from hybrid_ray.lm.launch import main
+
+    cfg = tmp_path / "job.json"
+    cfg.write_text(json.dumps(tiny_job(data_dir, tmp_path / "run", sample_tokens=0)))
+    assert main(["--config", str(cfg), "--nproc", "1", "--steps", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "4 steps" in out and "step     4/4" in out
+    assert (tmp_path / "run" / "checkpoints" / "global_step4").is_dir()
