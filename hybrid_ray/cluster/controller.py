@@ -201,7 +201,8 @@ class Controller:
         verdict = judge(status, watch, now, self.failure.heartbeat_timeout_s)
         if verdict.kind == "finished":
             value = self.group.result(self.group.members[0])
-            self._event(f"finished at step {self._last_step} with {len(self.group.members)} worker(s)")
+            at = f"at step {self._last_step}" if self._last_step >= 0 else "with no step reported"
+            self._event(f"finished {at} with {len(self.group.members)} worker(s)")
             return Finished(value)
         if verdict.kind == "resize":
             self._event(f"stopped at step {self._last_step} to grow to {verdict.size} worker(s)")

@@ -7,6 +7,7 @@ Nothing here parses arguments or starts processes: launch.py does that. Only ran
 from __future__ import annotations
 
 import logging
+import math
 import sys
 import time
 from dataclasses import dataclass
@@ -68,10 +69,13 @@ def train(job: Job, ctx: Optional[RunContext] = None) -> RunResult:
     baseline = split_entropy(run.val, run.tokenizer.vocab_size)
     val_meta = meta["splits"]["val"]
     log.record(step=run.engine.global_steps, final_val_loss=val_loss, unigram_baseline=baseline)
-    log.say(f"final: train loss {train_loss:.4f} | val loss {val_loss:.4f} nats/token "
+    ran = not math.isnan(train_loss)  # nan: resumed at the last step, nothing left to train
+    trained = f"train loss {train_loss:.4f}" if ran else "no step in this run"
+    speed = f" | {seconds:.0f} s training, {tok_s:,.0f} tok/s" if ran else ""
+    log.say(f"final: {trained} | val loss {val_loss:.4f} nats/token "
             f"({bits_per_byte(val_loss, val_meta):.3f} bits/byte, all {len(run.val)} windows) | "
             f"unigram baseline {baseline:.4f} nats/token ({bits_per_byte(baseline, val_meta):.3f} "
-            f"bits/byte) | {seconds:.0f} s training, {tok_s:,.0f} tok/s")
+            f"bits/byte){speed}")
     text = _sample(job, run, log)
     if topo.world_size > 1:
         # Ranks leave together: none tears down the group while another still uses it.

@@ -159,6 +159,10 @@ def resume(run: Run, job: Job, ctx: RunContext, log: RunLog) -> None:
     if path is None:
         log.say(f"resume: no checkpoint in {ckpt}; starting from step 0")
         return
-    pos = run.loader.state_dict()
-    log.say(f"resume: {path} at step {run.engine.global_steps}; data epoch {pos['epoch']}, "
+    step, pos = run.engine.global_steps, run.loader.state_dict()
+    if step >= job.train.steps:
+        log.say(f"resume: {path} at step {step}: the run is already complete (train.steps "
+                f"{job.train.steps}); nothing to train, evaluating the final model")
+        return
+    log.say(f"resume: {path} at step {step}; data epoch {pos['epoch']}, "
             f"sample {pos['position']} of {run.loader.sampler.samples_per_epoch}")

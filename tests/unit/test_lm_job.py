@@ -160,3 +160,16 @@ def test_steps_flag_runs_that_many_steps(data_dir, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "4 steps" in out and "step     4/4" in out
     assert (tmp_path / "run" / "checkpoints" / "global_step4").is_dir()
+
+
+def test_resuming_a_finished_run_says_it_is_complete(data_dir, tmp_path, capsys):
+    from hybrid_ray.lm.loop import train
+
+    raw = tiny_job(data_dir, tmp_path / "run", steps=4, sample_tokens=0)
+    first = train(load_job(raw))
+    capsys.readouterr()
+    again = train(load_job(raw), RunContext(resume=True))
+    out = capsys.readouterr().out
+    assert "at step 4: the run is already complete (train.steps 4); nothing to train" in out
+    assert "final: no step in this run | val loss" in out and "nan" not in out and "tok/s" not in out
+    assert again.steps == 4 and again.val_loss == first.val_loss
