@@ -135,7 +135,7 @@ def _tracker(name: str, raw: Mapping[str, Any], scaling: ScalingConfig, job: Job
 
 
 def _finish(tracker: RunTracker, job: Job, result: Result) -> None:
-    finish_tracking(tracker, checkpoint_dir(job), result)
+    finish_tracking(tracker, job.train.out_dir, checkpoint_dir(job), result)
     r = result.value
     print(f"done: {r.steps} steps, val loss {r.val_loss:.4f} nats/token against a unigram baseline "
           f"of {r.unigram_nats:.4f}; {result.failures} failure(s), world sizes {result.world_sizes}")

@@ -5,15 +5,17 @@ Each record kind (hybrid_ray.cluster.records) has one route; the controller only
 """
 from __future__ import annotations
 
+import contextlib
 import logging
-import posixpath
+import os
 import sys
 import tempfile
-from typing import Any, Callable, Dict
+from typing import Any, Callable, ContextManager, Dict
 
 from hybrid_ray.cluster.compression_driver import CompressionCoordinator
 from hybrid_ray.cluster.progress import ProgressReporter
 from hybrid_ray.cluster.records import Interval, LinkProbe, Metrics, Params, Record, SystemSample, Text
+from hybrid_ray.config.paths import is_uri
 from hybrid_ray.engine.checkpoint.offline import export
 from hybrid_ray.tracking import RunTracker
 
@@ -57,22 +59,36 @@ class RecordRouter:
             self.tracker.log_metrics(rec.metrics(), rec.step)
 
 
-def finish_tracking(tracker: RunTracker, checkpoints: str, result: Any) -> None:
-    """Final numbers, where the checkpoints are, the exported model; then close the run."""
+def finish_tracking(tracker: RunTracker, out_dir: str, checkpoints: str, result: Any) -> None:
+    """Final numbers, where the checkpoints are, the exported model; then close the run.
+
+    The model is exported into the run folder (`<out_dir>/model/model.safetensors`, kept with
+    the checkpoints), or a temporary folder for a run folder on an object store; either way the
+    file stays until the run is closed: MLflow uploads a large artifact from where it lies, after
+    the call that queued it."""
     r = result.value
     tracker.log_metrics({"final_val_loss": r.val_loss, "unigram_baseline": r.unigram_nats,
                          "failures": result.failures}, r.steps, monotonic=False)
     tracker.set_tags({"checkpoints": checkpoints, "world_sizes": str(result.world_sizes)})
     if r.sample:
         tracker.log_text(r.sample, "sample.txt")
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            out = posixpath.join(tmp, "model.safetensors")
+    with _model_folder(out_dir) as folder:
+        try:
+            out = os.path.join(folder, "model.safetensors")
             tag, _ = export(checkpoints, out)
-            tracker.log_artifact(out, "model")  # copied now: the folder goes away below
+            tracker.log_artifact(out, "model")
             tracker.set_tags({"exported_checkpoint": tag})
-    except Exception as exc:  # noqa: BLE001 - a missing export must not fail a finished run
-        print(f"warning: model export for MLflow failed: {exc}", file=sys.stderr)
-    report = tracker.close("FINISHED")
+        except Exception as exc:  # noqa: BLE001 - a missing export must not fail a finished run
+            print(f"warning: model export for MLflow failed: {exc}", file=sys.stderr)
+        report = tracker.close("FINISHED")
     if report.unsent:
         print(f"warning: {report.unsent} MLflow item(s) could not be sent", file=sys.stderr)
+
+
+def _model_folder(out_dir: str) -> ContextManager[str]:
+    """Where the exported model is written: the run folder's model/ when it is local."""
+    if is_uri(out_dir):
+        return tempfile.TemporaryDirectory(prefix="hybrid_ray-model-")
+    folder = os.path.join(out_dir, "model")
+    os.makedirs(folder, exist_ok=True)
+    return contextlib.nullcontext(folder)
