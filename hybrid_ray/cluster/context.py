@@ -36,6 +36,7 @@ class WorkerContext:
     _beat: Callable[[int], None] = field(repr=False, default=lambda step: None)
     _stop: Callable[[], bool] = field(repr=False, default=lambda: False)
     _directive: Callable[[], Optional[dict]] = field(repr=False, default=lambda: None)
+    _flush: Callable[[float], bool] = field(repr=False, default=lambda timeout_s: True)
 
     @property
     def rank(self) -> int:
@@ -49,6 +50,13 @@ class WorkerContext:
         """Send a record to the driver: a dict of metrics (JSON-able values, `step` among them;
         it travels as records.Metrics with this group's world_size) or a typed Record."""
         self._report(as_record(record, self.world_size))
+
+    def flush_reports(self, timeout_s: float = 60.0) -> bool:
+        """Block until the driver has received every record this worker reported; False if some
+        had not arrived after timeout_s (the driver may be gone). Call it before saving a
+        checkpoint: a worker lost after the checkpoint then loses no record of a step the
+        resumed run will not do again, so every step's record reaches the driver."""
+        return self._flush(timeout_s)
 
     def step_done(self, step: int) -> None:
         """Tell the driver this rank finished optimizer step `step` (its heartbeat)."""

@@ -182,7 +182,7 @@ class Controller:
                                storage_path=self.storage_path, run_name=self.run_name,
                                directive=self._directive)
                  for r, m in enumerate(members)}
-        dead = self.group.start(self.fn, specs)
+        dead = self.group.start(self.fn, specs, self.failure.start_timeout_s)
         if dead:
             return self._teardown(dead, "worker lost while starting")
         self._monitor_nodes()

@@ -14,7 +14,7 @@ import ray
 
 from hybrid_ray.config.cluster import ScalingConfig
 
-from .status import Member, PollStatus
+from .status import Member, PollStatus, WorkerNews
 from .worker import Worker
 
 
@@ -84,11 +84,16 @@ class WorkerGroup:
         except ray.exceptions.RayError:
             return None
 
-    def start(self, fn: Any, specs: Dict[int, Dict[str, Any]]) -> List[Member]:
-        """Start every member's training with its own spec; the members that failed to start."""
+    def start(self, fn: Any, specs: Dict[int, Dict[str, Any]], timeout_s: float = 60.0) -> List[Member]:
+        """Start every member's training with its own spec; the members that failed to start.
+        Every member takes the function first, then all launch together (Worker.prepare)."""
         fn_ref = ray.put(fn)
-        out = _collect({m.index: m.handle.start.remote(fn_ref, specs[m.index]) for m in self.members},
-                       30.0)
+        ready = _collect({m.index: m.handle.prepare.remote(fn_ref, specs[m.index])
+                          for m in self.members}, timeout_s)
+        failed = [m for m in self.members if isinstance(ready.get(m.index), Exception)]
+        if failed:
+            return failed
+        out = _collect({m.index: m.handle.launch.remote() for m in self.members}, 30.0)
         return [m for m in self.members if isinstance(out.get(m.index), Exception)]
 
     def poll(self, timeout_s: float) -> PollStatus:
@@ -96,6 +101,9 @@ class WorkerGroup:
         later poll, none twice; a member whose actor died is lost."""
         replies = _collect({m.index: m.handle.poll.remote(m.acked) for m in self.members}, timeout_s)
         news = {m.index: m.take_news(replies[m.index]) for m in self.members}
+        for m in self.members:  # acknowledge now: a worker flushing its records waits for this
+            if isinstance(news[m.index], WorkerNews) and news[m.index].records:
+                m.handle.ack.remote(m.acked)
         lost = tuple(m for m in self.members if isinstance(news[m.index], ray.exceptions.RayActorError))
         answered = {i: n for i, n in news.items() if not isinstance(n, Exception)}
         return PollStatus(len(self.members), answered, lost)

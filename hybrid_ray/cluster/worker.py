@@ -30,6 +30,7 @@ class Worker:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self._acked = threading.Condition(self._lock)  # records acknowledged (flush waits on it)
         self._state = IDLE
         self._error: Optional[str] = None
         # Records not yet acknowledged by the driver, with their sequence numbers: a poll whose
@@ -44,6 +45,7 @@ class Worker:
         self._directive: Optional[dict] = None  # the driver's newest (context.agree_on_directive)
         # The current group's Topology.abort: set at teardown, it ends the engine's commit waits.
         self._abort = threading.Event()
+        self._next: Optional[Tuple[Callable, Dict[str, Any]]] = None  # prepare()'d, for launch()
         self._monitor: Any = None  # hybrid_ray.tracking.system.SystemMonitor of this node
         self._monitor_label: Optional[str] = None
 
@@ -60,10 +62,18 @@ class Worker:
             return s.getsockname()[1]
 
     # ---- a training run ---------------------------------------------------------------
-    def start(self, fn: Callable[[WorkerContext], Any], spec: Dict[str, Any]) -> None:
-        """Join the group described by spec and run fn on a thread; returns at once."""
+    def prepare(self, fn: Callable[[WorkerContext], Any], spec: Dict[str, Any]) -> None:
+        """Take the training function and this worker's place in the next group; `launch`
+        starts it. Two calls, so that every member has unpickled the function (which can import
+        a lot in a fresh actor) before any of them enters the rendezvous, whose wait is bounded
+        by the collective timeout."""
         if self._thread is not None and self._thread.is_alive():
             raise RuntimeError("worker is still running the previous group's training")
+        self._next = (fn, spec)
+
+    def launch(self) -> None:
+        """Join the prepared group and run its training function on a thread; returns at once."""
+        fn, spec = self._next
         with self._lock:
             self._state, self._error, self._result = RUNNING, None, None
             self._step, self._step_time = -1, time.monotonic()
@@ -74,12 +84,18 @@ class Worker:
                                         name=f"hybrid-ray-train-g{spec['generation']}")
         self._thread.start()
 
+    def start(self, fn: Callable[[WorkerContext], Any], spec: Dict[str, Any]) -> None:
+        """prepare and launch in one call (a single worker, tests)."""
+        self.prepare(fn, spec)
+        self.launch()
+
     def _main(self, fn: Callable[[WorkerContext], Any], spec: Dict[str, Any]) -> None:
         state, error = FINISHED, None
         try:
             topo = _join(spec, self._abort)
             ctx = WorkerContext(topo, spec["generation"], spec["storage_path"], spec["run_name"],
-                                self._report, self._beat, self._stop.is_set, lambda: self._directive)
+                                self._report, self._beat, self._stop.is_set, lambda: self._directive,
+                                self._flush)
             self._result = fn(ctx)
         except StopTraining:
             state = STOPPED
@@ -94,6 +110,18 @@ class Worker:
             self._seq += 1
             self._records.append((self._seq, record))
 
+    def _flush(self, timeout_s: float) -> bool:
+        """Wait until the driver has acknowledged every record reported so far (WorkerContext.
+        flush_reports); False if some are still unacknowledged after timeout_s."""
+        deadline = time.monotonic() + timeout_s
+        with self._acked:
+            while self._records:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._acked.wait(left)
+            return True
+
     def _beat(self, step: int) -> None:
         with self._lock:
             self._step, self._step_time = step, time.monotonic()
@@ -104,9 +132,21 @@ class Worker:
         (sequence number, record) pairs. `ack`: the newest sequence number the driver has
         received; those up to it are dropped here, the rest are sent again until acknowledged."""
         with self._lock:
-            self._records = [(seq, rec) for seq, rec in self._records if seq > ack]
+            self._drop_acked(ack)
             return {"state": self._state, "error": self._error, "step": self._step,
                     "step_age_s": time.monotonic() - self._step_time, "records": list(self._records)}
+
+    def ack(self, seq: int) -> None:
+        """The driver received every record up to `seq` (sent right after a poll's reply
+        arrived, so a flush waits one round trip, not until the next poll)."""
+        with self._lock:
+            self._drop_acked(seq)
+
+    def _drop_acked(self, ack: int) -> None:
+        """Forget the records up to `ack` and wake a flush (the caller holds the lock)."""
+        if self._records and self._records[0][0] <= ack:
+            self._records = [(seq, rec) for seq, rec in self._records if seq > ack]
+            self._acked.notify_all()
 
     def request_stop(self) -> None:
         """Stop at the next checkpoint boundary (growth)."""

@@ -11,7 +11,7 @@ import math
 import sys
 import time
 from dataclasses import dataclass
-from typing import Iterator, Optional, Tuple
+from typing import Callable, Iterator, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -146,7 +146,7 @@ def train_steps(job: Job, run: Run, log: RunLog,
         if ctx.on_step is not None:
             ctx.on_step(step)
         t0 = time.perf_counter()
-        saved = _between_steps(job, run, log, step)
+        saved = _between_steps(job, run, log, step, ctx.flush)
         paused += time.perf_counter() - t0
         t_log += time.perf_counter() - t0
         if saved and step != steps and ctx.stop is not None and ctx.stop():
@@ -170,8 +170,11 @@ def _send_flops_report(run: Run, log: RunLog) -> bool:
     return True
 
 
-def _between_steps(job: Job, run: Run, log: RunLog, step: int) -> bool:
-    """Periodic evaluation, and checkpoints (every save_interval steps and after the last).
+def _between_steps(job: Job, run: Run, log: RunLog, step: int,
+                   flush: Optional[Callable[[], bool]] = None) -> bool:
+    """Periodic evaluation, and checkpoints (every save_interval steps and after the last),
+    each after `flush` (the driver has every record sent so far: a worker lost after the
+    checkpoint loses no record that the resumed run will not send again).
     Returns whether a checkpoint was written."""
     t = job.train
     if step % t.eval_interval == 0 and step != t.steps:
@@ -180,6 +183,9 @@ def _between_steps(job: Job, run: Run, log: RunLog, step: int) -> bool:
         log.say(f"eval  step {step}: val loss {val_loss:.4f} ({t.eval_samples or 'all'} windows)")
     ckpt = checkpoint_dir(job)
     if ckpt is not None and (step == t.steps or (t.save_interval and step % t.save_interval == 0)):
+        if flush is not None and not flush():
+            log.say(f"warning: step {step}: the driver has not acknowledged every record; "
+                    "checkpointing anyway")
         run.engine.save_checkpoint(ckpt)  # the engine logs where it went
         return True
     return False

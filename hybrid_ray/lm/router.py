@@ -28,6 +28,7 @@ class RecordRouter:
     def __init__(self, tracker: RunTracker, progress: ProgressReporter,
                  coordinator: CompressionCoordinator):
         self.tracker, self.progress, self.coordinator = tracker, progress, coordinator
+        self._last_step: Dict[str, int] = {}  # per metric name: the newest step routed
         self._routes: Dict[type, Callable[[Any], None]] = {
             Metrics: self._metrics,
             Params: lambda rec: tracker.log_params(rec.params),
@@ -49,9 +50,22 @@ class RecordRouter:
         self.tracker.event(msg)
 
     def _metrics(self, rec: Metrics) -> None:
+        if not self._fresh(rec):
+            return
         self.progress.record(rec)
         if rec.step is not None:
             self.tracker.log_metrics(rec, rec.step)
+
+    def _fresh(self, rec: Metrics) -> bool:
+        """False for a replay: after a recovery the group redoes the steps since its checkpoint
+        and reports them again; each step's numbers are routed once, the first time."""
+        if rec.step is None:
+            return True
+        names = [k for k in rec if k not in ("step", "world_size")]
+        new = [k for k in names if self._last_step.get(k, -1) < rec.step]
+        for k in new:
+            self._last_step[k] = rec.step
+        return bool(new) or not names
 
     def _interval(self, rec: Interval) -> None:
         self.coordinator.on_interval(rec)  # step timings: compression decisions

@@ -40,6 +40,8 @@ class RunContext:
       answer); True ends the run there, e.g. for the driver to re-form a larger group.
     directive: called on every rank at each logging step (a collective, like stop): the driver's
       newest directive, e.g. the gradient compression setting chosen for `type: auto`.
+    flush: called on every rank before each checkpoint: waits until the driver has every
+      record sent so far, so none is lost with a worker after the checkpoint commits.
     """
 
     topology: Optional[Topology] = None
@@ -49,6 +51,7 @@ class RunContext:
     on_step: Optional[Callable[[int], None]] = None
     stop: Optional[Callable[[], bool]] = None
     directive: Optional[Callable[[], Optional[dict]]] = None
+    flush: Optional[Callable[[], bool]] = None
 
 
 class RunLog:

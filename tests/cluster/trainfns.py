@@ -36,7 +36,9 @@ def train_mlp(ctx: WorkerContext, steps: int = 12, every: int = 2, stage: int = 
     """Train to `steps`, checkpoint every `every` steps, resume from the newest checkpoint.
 
     fault: {"generation": g, "rank": r, "step": s, "kind": "exit" | "freeze"} makes that rank
-    exit its process or hang forever at step s of generation g (a lost or frozen worker)."""
+    exit its process or hang forever at step s of generation g (a lost or frozen worker);
+    step "final" exits right after the last checkpoint. Each checkpoint is saved after the
+    driver has every record reported so far (ctx.flush_reports)."""
     world = ctx.world_size
     cfg = {"train_batch_size": GLOBAL_BATCH, "train_micro_batch_size_per_gpu": GLOBAL_BATCH // world,
            "gradient_clipping": 1.0, "zero_optimization": {"stage": stage},
@@ -56,9 +58,11 @@ def train_mlp(ctx: WorkerContext, steps: int = 12, every: int = 2, stage: int = 
             ctx.report({"step": engine.global_steps, "loss": loss.item(), "world_size": world})
         time.sleep(step_delay)
         if engine.global_steps % every == 0:
+            ctx.flush_reports()
             engine.save_checkpoint(ckpt)
             if ctx.agree_to_stop():
                 raise StopTraining()
+    _maybe_fault(ctx, "final", fault)
     state = {k: v.clone() for k, v in engine.consolidated_state_dict().items()}
     engine.close()
     return state

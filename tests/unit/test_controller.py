@@ -80,7 +80,7 @@ class DummyGroup:
     def rendezvous_port(self, member: Member) -> Optional[int]:
         return None if self.workers[member.index].dead else 29500
 
-    def start(self, fn: Any, specs: Dict[int, dict]) -> List[Member]:
+    def start(self, fn: Any, specs: Dict[int, dict], timeout_s: float = 60.0) -> List[Member]:
         self.generation = next(iter(specs.values()))["generation"]
         self.stop_requested = False
         for m in self.members:
@@ -259,11 +259,11 @@ def test_directives_reach_every_member_and_new_groups_start_with_the_newest() ->
     c, _, _ = controller(group)
     start, specs_seen = group.start, []
 
-    def start_and_direct(fn, specs):
+    def start_and_direct(fn, specs, timeout_s):
         specs_seen.append(specs)
         if group.generation < 0:  # the driver decides while the first group starts
             c.send_directive({"id": 1, "setting": {"type": "bf16"}, "reason": "test"})
-        return start(fn, specs)
+        return start(fn, specs, timeout_s)
 
     group.start = start_and_direct
     c.run()

@@ -1,4 +1,5 @@
-"""The LM driver's end of a run: the exported model reaches MLflow even when MLflow uploads it
+"""The LM driver's router and the end of a run: each step's metrics routed once however often a
+recovered group replays them; the exported model reaches MLflow even when MLflow uploads it
 from where it lies after the call (as it does for files over 256 MiB)."""
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ from types import SimpleNamespace
 
 from mlflow import MlflowClient
 
-from hybrid_ray.lm.router import finish_tracking
+from hybrid_ray.cluster.records import Metrics, Params
+from hybrid_ray.lm.router import RecordRouter, finish_tracking
 from hybrid_ray.tracking import RunTracker
 from hybrid_ray.tracking import tracker as tracker_mod
 from tests.unit.test_checkpoint import make, train
@@ -29,3 +31,27 @@ def test_the_exported_model_is_uploaded_from_the_run_folder(tmp_path, monkeypatc
     assert [f.path for f in client.list_artifacts(run.info.run_id, "model")] == ["model/model.safetensors"]
     assert run.info.status == "FINISHED" and run.data.tags["exported_checkpoint"].endswith("global_step2")
     assert (run_dir / "model" / "model.safetensors").is_file()  # kept beside the checkpoints
+
+
+class Recorder:
+    """Stands in for RunTracker, ProgressReporter and the compression coordinator."""
+
+    def __init__(self) -> None:
+        self.calls = []
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: self.calls.append((name, args))
+
+
+def test_replayed_steps_are_routed_once():
+    tracker, progress = Recorder(), Recorder()
+    router = RecordRouter(tracker, progress, Recorder())
+    first = [Metrics({"step": s, "train_loss": 1.0 / s}, 2) for s in range(1, 7)]
+    replay = [Metrics({"step": s, "train_loss": 0.5 / s}, 2) for s in range(5, 9)]  # from step 4
+    for rec in first + replay + [Metrics({"step": 8, "final_val_loss": 0.1}, 2), Params({"n": 1})]:
+        router(rec)
+    logged = [(args[1], dict(args[0])) for name, args in tracker.calls if name == "log_metrics"]
+    assert [step for step, _ in logged] == [1, 2, 3, 4, 5, 6, 7, 8, 8]
+    assert logged[4][1]["train_loss"] == 1.0 / 5  # the first arrival wins
+    assert [args[0]["step"] for name, args in progress.calls if name == "record"] == [1, 2, 3, 4, 5, 6, 7, 8, 8]
+    assert ("log_params", ({"n": 1},)) in tracker.calls
