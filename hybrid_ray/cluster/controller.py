@@ -179,6 +179,7 @@ class Controller:
                                master_port=port, generation=generation, use_gpu=self.scaling.use_gpu,
                                threads=int(self.group.resources.get("CPU", 1)) or 1,
                                collective_timeout_s=self.failure.collective_timeout_s,
+                               rendezvous_timeout_s=self.failure.start_timeout_s,
                                storage_path=self.storage_path, run_name=self.run_name,
                                directive=self._directive)
                  for r, m in enumerate(members)}

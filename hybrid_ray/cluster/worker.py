@@ -204,11 +204,28 @@ def _join(spec: Dict[str, Any], abort: threading.Event) -> Topology:
         return Topology(0, 1, device, None, abort)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    # The rendezvous waits for the slowest member to arrive (a fresh actor on a loaded node can
+    # be seconds late), the collectives after it only for a peer that died or froze: two bounds.
+    rendezvous_s = max(spec.get("rendezvous_timeout_s", 0), spec["collective_timeout_s"])
+    _forget_failed_groups()
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                             init_method=f"tcp://{spec['master_addr']}:{spec['master_port']}",
-                            rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=spec["collective_timeout_s"]))
-    return Topology(rank, world, device, dist.group.WORLD, abort)
+                            rank=rank, world_size=world, timeout=datetime.timedelta(seconds=rendezvous_s))
+    collective = datetime.timedelta(seconds=spec["collective_timeout_s"])
+    if hasattr(dist.distributed_c10d, "_set_pg_timeout"):
+        dist.distributed_c10d._set_pg_timeout(collective)
+        return Topology(rank, world, device, dist.group.WORLD, abort)
+    return Topology(rank, world, device, dist.new_group(timeout=collective), abort)
+
+
+def _forget_failed_groups() -> None:
+    """torch names a new group by a per-process counter that only a successful group's destroy
+    resets; a rendezvous that failed (its rank 0 died while the group formed) leaves it one up,
+    and the next group of this process would wait under another name than its fresh peers until
+    the timeout. With no group alive, the count is zero."""
+    world = getattr(dist.distributed_c10d, "_world", None)
+    if world is not None and hasattr(world, "group_count") and not dist.is_initialized():
+        world.group_count = 0
 
 
 def _leave(orderly: bool) -> None:
