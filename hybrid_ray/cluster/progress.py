@@ -22,6 +22,8 @@ def _fmt(rec: dict) -> str:
                              ("world_size", "workers", "d")):
         if rec.get(key) is not None:
             parts.append(f"{label} {rec[key]:{spec}}")
+            if key == "val_loss" and rec.get("val_step") not in (None, rec.get("step")):
+                parts[-1] += f" (step {rec['val_step']})"  # an evaluation older than the line
     return " | ".join(parts)
 
 
@@ -44,6 +46,8 @@ class ProgressReporter:
 
     def record(self, rec: dict) -> None:
         self._last.update({k: v for k, v in rec.items() if v is not None})
+        if rec.get("val_loss") is not None:
+            self._last["val_step"] = rec.get("step")
         step = rec.get("step")
         if step is None:
             return

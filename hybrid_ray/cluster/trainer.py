@@ -12,6 +12,7 @@ cluster at `address` (or RAY_ADDRESS); with neither, starts a local one with ray
 from __future__ import annotations
 
 import os
+import sys
 from typing import Callable, Optional
 
 import ray
@@ -63,6 +64,8 @@ def connect(address: Optional[str]) -> None:
     # Ray 2.60 turns token authentication on once a token exists; a local session started here
     # has none, so say so explicitly unless the user chose.
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    if not sys.stdout.isatty():  # the workers' lines come with colour codes otherwise: noise in a log
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
     ray.init(address=address or os.environ.get("RAY_ADDRESS"), log_to_driver=True,
              include_dashboard=False if not (address or os.environ.get("RAY_ADDRESS")) else None)
 

@@ -139,3 +139,4 @@ def _finish(tracker: RunTracker, job: Job, result: Result) -> None:
     r = result.value
     print(f"done: {r.steps} steps, val loss {r.val_loss:.4f} nats/token against a unigram baseline "
           f"of {r.unigram_nats:.4f}; {result.failures} failure(s), world sizes {result.world_sizes}")
+    print(tracker.where(), flush=True)

@@ -180,7 +180,7 @@ def _between_steps(job: Job, run: Run, log: RunLog, step: int,
     if step % t.eval_interval == 0 and step != t.steps:
         val_loss = evaluate(run.engine, run.val, t.eval_samples)
         log.record(step=step, val_loss=val_loss)
-        log.say(f"eval  step {step}: val loss {val_loss:.4f} ({t.eval_samples or 'all'} windows)")
+        log.progress(f"eval  step {step}: val loss {val_loss:.4f} ({t.eval_samples or 'all'} windows)")
     ckpt = checkpoint_dir(job)
     if ckpt is not None and (step == t.steps or (t.save_interval and step % t.save_interval == 0)):
         if flush is not None and not flush():
@@ -197,7 +197,7 @@ def _log_step(run: Run, log: RunLog, step: int, total: int, loss: float, tok_s: 
     lr, scale = engine.get_lr()[0], engine.loss_scale
     log.record(step=step, train_loss=loss, lr=lr, loss_scale=scale, grad_norm=norm, tokens_per_s=tok_s,
                skipped_steps=engine.skipped_steps, **_comm_record(engine))
-    log.say(f"step {step:>5}/{total} | loss {loss:.4f} | lr {lr:.2e} | loss scale {scale:g} | "
+    log.progress(f"step {step:>5}/{total} | loss {loss:.4f} | lr {lr:.2e} | loss scale {scale:g} | "
             f"grad norm {'-' if norm is None else f'{norm:.3f}'} | {tok_s:,.0f} tok/s")
 
 

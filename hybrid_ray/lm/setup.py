@@ -68,6 +68,12 @@ class RunLog:
         if self.rank == 0:
             print(msg, flush=True)  # torchrun pipes stdout: flush so the log flows
 
+    def progress(self, msg: str) -> None:
+        """A step or evaluation line: printed here unless a driver receives the records, which
+        prints its own line for the same step (on Ray the two would say it twice)."""
+        if self.report is None:
+            self.say(msg)
+
     def record(self, **metrics: Any) -> None:
         """Metrics of a step (`step=` among them)."""
         self.send(Metrics(metrics))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import tempfile
 from dataclasses import dataclass, field
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 from mlflow import MlflowClient
 from mlflow.entities import RunStatus, ViewType
@@ -22,6 +22,7 @@ SESSIONS_TAG = "hybrid_ray.sessions"
 EVENTS_FILE = "events.log"
 COUNT_PREFIX = "events/count/"  # events/count/<kind>: running count of events of that kind
 SYSTEM_PREFIX = "system/"
+KIND_TAG, TRAINING_KIND = "mlflow.experimentKind", "custom_model_development"  # MLflow 3's UI view
 
 
 @dataclass
@@ -39,37 +40,55 @@ class RunState:
     event_lines: List[str] = field(default_factory=list)
     system_step: int = 0
     """Next step for system metrics (MLflow's own monitor counts them from 0 per run)."""
+    experiment_id: str = ""
 
 
-def experiment_id(client: MlflowClient, name: str) -> str:
+def artifact_root(tracking_uri: str) -> Optional[str]:
+    """Where a new experiment keeps its artifacts: beside a local SQLite database (MLflow's
+    default, ./mlruns, is the working directory's wherever the database is); None: the store's
+    own default (a tracking server decides)."""
+    if not tracking_uri.startswith("sqlite:///"):
+        return None
+    database = os.path.abspath(tracking_uri[len("sqlite:///"):])
+    return os.path.join(os.path.dirname(database), "mlruns")
+
+
+def experiment_id(client: MlflowClient, name: str, artifact_location: Optional[str] = None) -> str:
+    """The experiment's id, made if missing. MLflow 3's UI opens an experiment without a kind
+    in its GenAI view (traces, none here): an experiment of ours says it holds model training."""
     exp = client.get_experiment_by_name(name)
-    if exp is not None:
-        return exp.experiment_id
-    try:
-        return client.create_experiment(name)
-    except MlflowException as exc:  # another driver created it in between
-        if exc.error_code != ErrorCode.Name(RESOURCE_ALREADY_EXISTS):
-            raise
-        return client.get_experiment_by_name(name).experiment_id
+    if exp is None:
+        try:
+            exp = client.get_experiment(client.create_experiment(name, artifact_location))
+        except MlflowException as exc:  # another driver created it in between
+            if exc.error_code != ErrorCode.Name(RESOURCE_ALREADY_EXISTS):
+                raise
+            exp = client.get_experiment_by_name(name)
+    if KIND_TAG not in exp.tags:  # a kind someone chose stays
+        client.set_experiment_tag(exp.experiment_id, KIND_TAG, TRAINING_KIND)
+    return exp.experiment_id
 
 
-def open_run(client: MlflowClient, experiment: str, run_name: str) -> RunState:
-    """Continue the run named `run_name` in `experiment`, or create it."""
-    exp_id = experiment_id(client, experiment)
+def open_run(client: MlflowClient, experiment: str, run_name: str,
+             artifact_location: Optional[str] = None) -> RunState:
+    """Continue the run named `run_name` in `experiment`, or create it (and the experiment,
+    with its artifacts at `artifact_location`)."""
+    exp_id = experiment_id(client, experiment, artifact_location)
     found = client.search_runs([exp_id], filter_string=f"tags.`{RUN_NAME_TAG}` = '{run_name}'",
                                run_view_type=ViewType.ACTIVE_ONLY, max_results=5,
                                order_by=["attributes.start_time ASC"])
     if not found:
         run = client.create_run(exp_id, run_name=run_name,
                                 tags={RUN_NAME_TAG: run_name, SESSIONS_TAG: "1"})
-        return RunState(run.info.run_id, resumed=False, session=1)
+        return RunState(run.info.run_id, resumed=False, session=1, experiment_id=exp_id)
     run = found[0]  # the oldest, should two drivers ever have raced to create it
     run_id = run.info.run_id
     session = int(run.data.tags.get(SESSIONS_TAG, "1")) + 1
     if run.info.status != RunStatus.to_string(RunStatus.RUNNING):
         client.update_run(run_id, status="RUNNING")  # MLflow's system monitor stops otherwise
     client.set_tag(run_id, SESSIONS_TAG, str(session))
-    state = RunState(run_id, resumed=True, session=session, params=dict(run.data.params))
+    state = RunState(run_id, resumed=True, session=session, params=dict(run.data.params),
+                     experiment_id=exp_id)
     _read_metrics(run, state)
     state.event_lines = _read_events(client, run_id)
     return state

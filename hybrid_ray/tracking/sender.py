@@ -25,7 +25,7 @@ from mlflow.exceptions import MlflowException
 
 from . import ops
 from .batch import plan_batch
-from .run import EVENTS_FILE, RunState, open_run
+from .run import EVENTS_FILE, RunState, artifact_root, open_run
 
 log = logging.getLogger("hybrid_ray.tracking")
 _MAX_ERRORS_LOGGED = 5
@@ -126,7 +126,8 @@ class Sender:
                 if client is None:
                     client = MlflowClient(self.tracking_uri)
                 if self.state is None:
-                    self.state = open_run(client, self.experiment, self.run_name)
+                    self.state = open_run(client, self.experiment, self.run_name,
+                                          artifact_root(self.tracking_uri))
                 self._send_head(client)
                 self._back_up()
                 backoff = 0.5

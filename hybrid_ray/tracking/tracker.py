@@ -91,6 +91,22 @@ class RunTracker:
         return None if state is None else state.run_id
 
     @property
+    def experiment_id(self) -> Optional[str]:
+        """The MLflow experiment's id once the run is open."""
+        state = self._sender.state
+        return None if state is None else state.experiment_id
+
+    def where(self) -> str:
+        """One line: which run this is and how to look at it."""
+        if self.run_id is None:
+            return f"MLflow: run {self.run_name!r} was not recorded: {self.tracking_uri} was never reached"
+        path = f"#/experiments/{self.experiment_id}/runs/{self.run_id}"
+        if self.tracking_uri.startswith(("http://", "https://")):
+            return f"MLflow: run {self.run_id} ({self.run_name}): {self.tracking_uri.rstrip('/')}/{path}"
+        return (f"MLflow: run {self.run_id} ({self.run_name}) in {self.tracking_uri}: "
+                f"`mlflow ui --backend-store-uri {self.tracking_uri}`, then http://127.0.0.1:5000/{path}")
+
+    @property
     def resumed(self) -> Optional[bool]:
         """True if this tracker continues a run an earlier session made."""
         state = self._sender.state

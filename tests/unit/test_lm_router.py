@@ -31,6 +31,11 @@ def test_the_exported_model_is_uploaded_from_the_run_folder(tmp_path, monkeypatc
     assert [f.path for f in client.list_artifacts(run.info.run_id, "model")] == ["model/model.safetensors"]
     assert run.info.status == "FINISHED" and run.data.tags["exported_checkpoint"].endswith("global_step2")
     assert (run_dir / "model" / "model.safetensors").is_file()  # kept beside the checkpoints
+    exp = client.get_experiment(run.info.experiment_id)  # opens in MLflow 3's model-training view
+    assert exp.tags["mlflow.experimentKind"] == "custom_model_development"
+    assert tracker.where() == (f"MLflow: run {run.info.run_id} (export) in {uri}: `mlflow ui "
+                               f"--backend-store-uri {uri}`, then http://127.0.0.1:5000/#/experiments/"
+                               f"{exp.experiment_id}/runs/{run.info.run_id}")
 
 
 class Recorder:

@@ -29,3 +29,16 @@ def test_terminal_bar_shows_step_and_fields() -> None:
     p.close()
     text = out.getvalue()
     assert "3/5" in text and "loss 2.5000" in text and "scale 65536" in text and "workers 3" in text
+
+
+def test_a_validation_loss_from_an_earlier_step_says_which() -> None:
+    out = io.StringIO()
+    p = ProgressReporter(total_steps=30, console=Console(file=out, force_terminal=False, width=200),
+                         log_every=10)
+    p.record({"step": 10, "train_loss": 2.0})
+    p.record({"step": 10, "val_loss": 3.0})
+    p.record({"step": 20, "train_loss": 1.5})
+    p.close()
+    lines = out.getvalue().splitlines()
+    assert lines[1].startswith("step 10/30 | loss 2.0000 | val 3.0000 |")
+    assert lines[2].startswith("step 20/30 | loss 1.5000 | val 3.0000 (step 10) |")
