@@ -45,18 +45,27 @@ class ProgressReporter:
             self._progress.start()
 
     def record(self, rec: dict) -> None:
+        """A step's metrics: in a log, a line per training record at every log_every-th step
+        and at the last one, and a line per evaluation; other records (the final numbers, a
+        recovery time) only update what the next line shows."""
         self._last.update({k: v for k, v in rec.items() if v is not None})
-        if rec.get("val_loss") is not None:
-            self._last["val_step"] = rec.get("step")
         step = rec.get("step")
         if step is None:
             return
+        if rec.get("val_loss") is not None:
+            self._last["val_step"] = step
         if self.live:
             self._progress.update(self._task, completed=step, info=_fmt(self._last))
-        elif step % self.log_every == 0 or (self.total and step == self.total) or "val_loss" in rec:
-            total = f"/{self.total}" if self.total else ""
-            self.console.print(f"step {step}{total} | {_fmt(self._last)} | "
-                               f"{time.monotonic() - self._t0:.0f} s", highlight=False, soft_wrap=True)
+            return
+        total = f"/{self.total}" if self.total else ""
+        elapsed = f"{time.monotonic() - self._t0:.0f} s"
+        if rec.get("val_loss") is not None:
+            self.console.print(f"eval step {step}{total} | val {rec['val_loss']:.4f} | {elapsed}",
+                               highlight=False, soft_wrap=True)
+        elif ("loss" in rec or "train_loss" in rec) and \
+                (step % self.log_every == 0 or (self.total and step == self.total)):
+            self.console.print(f"step {step}{total} | {_fmt(self._last)} | {elapsed}",
+                               highlight=False, soft_wrap=True)
 
     def event(self, msg: str) -> None:
         self.console.print(f"[bold yellow]event[/]: {msg}" if self.live else f"event: {msg}",

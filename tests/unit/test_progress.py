@@ -38,7 +38,9 @@ def test_a_validation_loss_from_an_earlier_step_says_which() -> None:
     p.record({"step": 10, "train_loss": 2.0})
     p.record({"step": 10, "val_loss": 3.0})
     p.record({"step": 20, "train_loss": 1.5})
+    p.record({"step": 20, "final_val_loss": 2.9})  # the run's end: no second line for step 20
     p.close()
     lines = out.getvalue().splitlines()
-    assert lines[1].startswith("step 10/30 | loss 2.0000 | val 3.0000 |")
+    assert len(lines) == 3 and lines[0].startswith("step 10/30 | loss 2.0000 |")
+    assert lines[1].startswith("eval step 10/30 | val 3.0000 |")
     assert lines[2].startswith("step 20/30 | loss 1.5000 | val 3.0000 (step 10) |")
