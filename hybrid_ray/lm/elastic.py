@@ -23,7 +23,7 @@ from hybrid_ray.config.cluster import FailureConfig, ScalingConfig
 from hybrid_ray.config.paths import absolute, is_uri
 from hybrid_ray.data import ensure_prepared
 from hybrid_ray.lm.job import Job, for_world, load_job
-from hybrid_ray.lm.router import RecordRouter, finish_tracking
+from hybrid_ray.lm.router import RecordRouter, finish_tracking, open_tracker
 from hybrid_ray.lm.setup import checkpoint_dir
 from hybrid_ray.lm.worker import LMTrainFn
 from hybrid_ray.tracking import RunTracker, sampling_interval_s
@@ -85,7 +85,9 @@ def run_elastic(raw: Mapping[str, Any], min_workers: int, max_workers: int,
     if use_gpu is None:  # the cluster decides: GPU workers where it has GPUs
         scaling = dataclasses.replace(scaling, use_gpu=cluster_has_gpus())
     storage, name = posixpath.split(job.train.out_dir)
-    tracker = _tracker(name, raw, scaling, job)
+    tracker = open_tracker(name, job, raw, {"scaling.min_workers": scaling.min_workers,
+                                            "scaling.max_workers": scaling.max_workers,
+                                            "scaling.use_gpu": scaling.use_gpu})
     print(f"run {name}: {min_workers}-{max_workers} {'GPU' if scaling.use_gpu else 'CPU'} worker(s), "
           f"checkpoints and metrics in {job.train.out_dir}; MLflow {tracker.tracking_uri}", flush=True)
     progress = ProgressReporter(total_steps=job.train.steps)
@@ -121,22 +123,10 @@ def _router(send: Callable[[dict], None], tracker: RunTracker, progress: Progres
     return router
 
 
-def _tracker(name: str, raw: Mapping[str, Any], scaling: ScalingConfig, job: Job) -> RunTracker:
-    """The run's MLflow record (the job's tracking.uri, else MLFLOW_TRACKING_URI, else
-    sqlite:///mlflow.db here): the job file as params and an artifact, the worker range, system
-    metrics of the driver's host."""
-    tracker = RunTracker(name, experiment=job.tracking.experiment, tracking_uri=job.tracking.uri,
-                         params=raw, tags={"hybrid_ray.job": "lm"})
-    tracker.log_params({"scaling.min_workers": scaling.min_workers,
-                        "scaling.max_workers": scaling.max_workers, "scaling.use_gpu": scaling.use_gpu})
-    tracker.log_dict(dict(raw), "config.json")
-    tracker.system_metrics(True)
-    return tracker
-
-
 def _finish(tracker: RunTracker, job: Job, result: Result) -> None:
-    finish_tracking(tracker, job.train.out_dir, checkpoint_dir(job), result)
     r = result.value
+    finish_tracking(tracker, job.train.out_dir, checkpoint_dir(job), r, result.failures,
+                    result.world_sizes)
     print(f"done: {r.steps} steps, val loss {r.val_loss:.4f} nats/token against a unigram baseline "
           f"of {r.unigram_nats:.4f}; {result.failures} failure(s), world sizes {result.world_sizes}")
     print(tracker.where(), flush=True)

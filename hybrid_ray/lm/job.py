@@ -91,13 +91,15 @@ class TrainSection:
 
 @dataclass(frozen=True)
 class TrackingSection:
-    """Where the Ray driver records the run in MLflow."""
+    """Where the run is recorded in MLflow: by the Ray driver, or by rank 0 under torchrun."""
 
     uri: Optional[str] = None
     """Tracking URI (e.g. http://mlflow.internal:5000); null: MLFLOW_TRACKING_URI, else
-    sqlite:///mlflow.db in the driver's working directory."""
+    sqlite:///mlflow.db in the working directory of the driver (or of rank 0)."""
     experiment: str = "hybrid_ray"
     """MLflow experiment; the run inside it is named after the run name."""
+    enabled: bool = True
+    """false: record nothing in MLflow (metrics.jsonl in train.out_dir is still written)."""
 
 
 @dataclass(frozen=True)

@@ -11,12 +11,13 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import signal
 import subprocess
 import sys
 import time
 import traceback
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import Any, List, Optional, Sequence
 
 import torch.distributed as dist
 
@@ -144,27 +145,48 @@ def prepare_here(job: Job) -> int:
 
 
 def run_worker(job: Job, resume: bool = False) -> int:
-    """Train as one rank; a failure prints its traceback, then one line naming the rank and
-    the error, and returns exit code 1."""
+    """Train as one rank (rank 0 records the run in MLflow, as the Ray driver does); a failure
+    prints its traceback, then one line naming the rank and the error, and returns exit code 1."""
     from hybrid_ray.lm.loop import train  # torch-heavy: not needed to validate or re-launch
-    from hybrid_ray.lm.setup import RunContext
+    from hybrid_ray.lm.router import finish_tracking, record_locally
+    from hybrid_ray.lm.setup import RunContext, checkpoint_dir
 
-    rank = os.environ.get("RANK", "0")
+    rank, world = os.environ.get("RANK", "0"), int(os.environ.get("WORLD_SIZE", "1"))
+    tracker, router = record_locally(job, world) if rank == "0" else (None, None)
+    on_sigterm = signal.getsignal(signal.SIGTERM)
+    if tracker is not None:  # torchrun stops the other ranks with SIGTERM when one fails
+        signal.signal(signal.SIGTERM, _terminated)
     try:
-        train(job, RunContext(resume=resume))
+        result = train(job, RunContext(resume=resume, report=router))
+        if tracker is not None:
+            finish_tracking(tracker, job.train.out_dir, checkpoint_dir(job), result, 0, [world])
+            print(tracker.where(), flush=True)
         return 0
     except Exception as exc:  # noqa: BLE001 - every failure must end in a message and exit 1
+        if tracker is not None:  # record how the run ended: torchrun waits before it SIGKILLs
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
         traceback.print_exc()
         print(f"error: rank {rank}: training failed: {type(exc).__name__}: {exc}",
               file=sys.stderr, flush=True)
+        if tracker is not None:
+            tracker.close("KILLED" if isinstance(exc, Terminated) else "FAILED")
         return EXIT_FAILED
     finally:
+        signal.signal(signal.SIGTERM, on_sigterm)
         # The engine sits in reference cycles (its gradient hooks) that hold the process group;
         # left to interpreter shutdown, gloo's teardown sometimes aborts the process (SIGABRT,
         # "terminate called without an active exception") after a successful run.
         gc.collect()
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
+
+
+class Terminated(Exception):
+    """This rank was told to stop (SIGTERM: torchrun ending the run after another rank failed)."""
+
+
+def _terminated(signum: int, frame: Any) -> None:
+    raise Terminated("stopped by SIGTERM (another rank failed, or the launcher was stopped)")
 
 
 def relaunch(config: str, nproc: int, resume: bool = False, overrides: Sequence[str] = (),

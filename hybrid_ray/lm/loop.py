@@ -53,7 +53,7 @@ def train(job: Job, ctx: Optional[RunContext] = None) -> RunResult:
     ctx = ctx or RunContext()
     threads = set_threads(ctx.threads)
     topo = ctx.topology or Topology.from_environment()
-    log = RunLog(topo.rank, job.train.out_dir, ctx.report)
+    log = RunLog(topo.rank, job.train.out_dir, ctx.report, echo=not ctx.driver_prints)
     if topo.rank == 0:  # the engine reports skipped steps and checkpoints through logging
         logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     meta = prepare_data(job.data, topo, log)

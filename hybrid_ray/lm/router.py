@@ -10,14 +10,16 @@ import logging
 import os
 import sys
 import tempfile
-from typing import Any, Callable, ContextManager, Dict
+from typing import Any, Callable, ContextManager, Dict, List, Mapping, Optional
 
 from hybrid_ray.cluster.compression_driver import CompressionCoordinator
 from hybrid_ray.cluster.progress import ProgressReporter
 from hybrid_ray.cluster.records import Interval, LinkProbe, Metrics, Params, Record, SystemSample, Text
+from hybrid_ray.config.loader import to_plain
 from hybrid_ray.config.paths import is_uri
 from hybrid_ray.engine.checkpoint.offline import export
-from hybrid_ray.tracking import RunTracker
+from hybrid_ray.lm.job import Job
+from hybrid_ray.tracking import FlushReport, RunTracker
 
 log = logging.getLogger("hybrid_ray.lm")
 
@@ -25,8 +27,10 @@ log = logging.getLogger("hybrid_ray.lm")
 class RecordRouter:
     """Routes every record and event of one run (the trainer's on_record and on_event)."""
 
-    def __init__(self, tracker: RunTracker, progress: ProgressReporter,
-                 coordinator: CompressionCoordinator):
+    def __init__(self, tracker: RunTracker, progress: Optional[ProgressReporter] = None,
+                 coordinator: Optional[CompressionCoordinator] = None):
+        """progress: the driver's display (None under torchrun, where rank 0 prints its own
+        lines); coordinator: the driver's compression choice (None: no driver to choose)."""
         self.tracker, self.progress, self.coordinator = tracker, progress, coordinator
         self._last_step: Dict[str, int] = {}  # per metric name: the newest step routed
         self._routes: Dict[type, Callable[[Any], None]] = {
@@ -34,7 +38,7 @@ class RecordRouter:
             Params: lambda rec: tracker.log_params(rec.params),
             Text: lambda rec: tracker.log_text(rec.text, rec.name),
             SystemSample: lambda rec: tracker.log_system_metrics(rec.values, rec.node, rec.timestamp_ms),
-            LinkProbe: coordinator.on_link,
+            LinkProbe: coordinator.on_link if coordinator is not None else lambda rec: None,
             Interval: self._interval,
         }
 
@@ -46,13 +50,15 @@ class RecordRouter:
         route(rec)
 
     def event(self, msg: str) -> None:
-        self.progress.event(msg)
+        if self.progress is not None:
+            self.progress.event(msg)
         self.tracker.event(msg)
 
     def _metrics(self, rec: Metrics) -> None:
         if not self._fresh(rec):
             return
-        self.progress.record(rec)
+        if self.progress is not None:
+            self.progress.record(rec)
         if rec.step is not None:
             self.tracker.log_metrics(rec, rec.step)
 
@@ -68,24 +74,66 @@ class RecordRouter:
         return bool(new) or not names
 
     def _interval(self, rec: Interval) -> None:
-        self.coordinator.on_interval(rec)  # step timings: compression decisions
+        if self.coordinator is not None:
+            self.coordinator.on_interval(rec)  # step timings: compression decisions
         if rec.step is not None:  # compression_id in MLflow shows when the setting changed
             self.tracker.log_metrics(rec.metrics(), rec.step)
 
 
-def finish_tracking(tracker: RunTracker, out_dir: str, checkpoints: str, result: Any) -> None:
-    """Final numbers, where the checkpoints are, the exported model; then close the run.
+class Untracked:
+    """The run's record with `tracking.enabled: false`: every call does nothing."""
+
+    tracking_uri, run_id = "(not recorded)", None
+
+    def log_metrics(self, metrics: Any, step: int, monotonic: bool = True) -> bool:
+        return True
+
+    def log_params(self, params: Any) -> None: ...
+    def log_text(self, text: str, name: str) -> None: ...
+    def log_system_metrics(self, values: Any, source: str, timestamp_ms: Any = None) -> None: ...
+    def log_artifact(self, path: str, artifact_path: Optional[str] = None) -> None: ...
+    def set_tags(self, tags: Any) -> None: ...
+    def event(self, text: str, **kwargs: Any) -> None: ...
+
+    def close(self, status: str = "FINISHED", timeout_s: float = 0.0) -> FlushReport:
+        return FlushReport(sent=0, unsent=0, dropped=0, failed=0, replayed=0)
+
+    def where(self) -> str:
+        return "MLflow: nothing recorded (tracking.enabled is false)"
+
+
+def open_tracker(name: str, job: Job, config: Any, params: Mapping[str, Any]) -> Any:
+    """The run's MLflow record (the job's tracking.uri, else MLFLOW_TRACKING_URI, else
+    sqlite:///mlflow.db here): the job file as params and as config.json, the launch's own
+    `params` (the worker range, the process count), system metrics of this host. Untracked
+    when the job's tracking.enabled is false."""
+    if not job.tracking.enabled:
+        return Untracked()
+    tracker = RunTracker(name, experiment=job.tracking.experiment, tracking_uri=job.tracking.uri,
+                         params=config, tags={"hybrid_ray.job": "lm"})
+    tracker.log_params(dict(params))
+    tracker.log_dict(to_plain(config), "config.json")
+    tracker.system_metrics(True)
+    return tracker
+
+
+def finish_tracking(tracker: RunTracker, out_dir: Optional[str], checkpoints: Optional[str],
+                    r: Any, failures: int, world_sizes: List[int]) -> None:
+    """Final numbers (r: the run's RunResult), where the checkpoints are, the exported model;
+    then close the run.
 
     The model is exported into the run folder (`<out_dir>/model/model.safetensors`, kept with
     the checkpoints), or a temporary folder for a run folder on an object store; either way the
     file stays until the run is closed: MLflow uploads a large artifact from where it lies, after
     the call that queued it."""
-    r = result.value
     tracker.log_metrics({"final_val_loss": r.val_loss, "unigram_baseline": r.unigram_nats,
-                         "failures": result.failures}, r.steps, monotonic=False)
-    tracker.set_tags({"checkpoints": checkpoints, "world_sizes": str(result.world_sizes)})
+                         "failures": failures}, r.steps, monotonic=False)
+    tracker.set_tags({"checkpoints": str(checkpoints), "world_sizes": str(world_sizes)})
     if r.sample:
         tracker.log_text(r.sample, "sample.txt")
+    if out_dir is None or checkpoints is None:  # no run folder: nothing to export
+        _close(tracker)
+        return
     with _model_folder(out_dir) as folder:
         try:
             out = os.path.join(folder, "model.safetensors")
@@ -94,7 +142,11 @@ def finish_tracking(tracker: RunTracker, out_dir: str, checkpoints: str, result:
             tracker.set_tags({"exported_checkpoint": tag})
         except Exception as exc:  # noqa: BLE001 - a missing export must not fail a finished run
             print(f"warning: model export for MLflow failed: {exc}", file=sys.stderr)
-        report = tracker.close("FINISHED")
+        _close(tracker)
+
+
+def _close(tracker: RunTracker, status: str = "FINISHED") -> None:
+    report = tracker.close(status)
     if report.unsent:
         print(f"warning: {report.unsent} MLflow item(s) could not be sent", file=sys.stderr)
 
@@ -106,3 +158,11 @@ def _model_folder(out_dir: str) -> ContextManager[str]:
     folder = os.path.join(out_dir, "model")
     os.makedirs(folder, exist_ok=True)
     return contextlib.nullcontext(folder)
+
+
+def record_locally(job: Job, world_size: int) -> Any:
+    """Rank 0's MLflow run under torchrun, in the Ray job's layout; (tracker, router)."""
+    out = job.train.out_dir
+    name = os.path.basename(out.rstrip("/")) if out else (os.path.splitext(os.path.basename(job.path))[0] or "lm")
+    tracker = open_tracker(name, job, job, {"launch.nproc": world_size})
+    return tracker, RecordRouter(tracker)

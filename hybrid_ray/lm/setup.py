@@ -42,6 +42,8 @@ class RunContext:
       newest directive, e.g. the gradient compression setting chosen for `type: auto`.
     flush: called on every rank before each checkpoint: waits until the driver has every
       record sent so far, so none is lost with a worker after the checkpoint commits.
+    driver_prints: a driver prints a line for every step and evaluation record it receives;
+      rank 0 then does not print its own (under torchrun it does).
     """
 
     topology: Optional[Topology] = None
@@ -52,13 +54,15 @@ class RunContext:
     stop: Optional[Callable[[], bool]] = None
     directive: Optional[Callable[[], Optional[dict]]] = None
     flush: Optional[Callable[[], bool]] = None
+    driver_prints: bool = False
 
 
 class RunLog:
     """Rank 0 prints and records; other ranks stay quiet (torchrun would interleave them)."""
 
-    def __init__(self, rank: int, out_dir: Optional[str], report: Optional[Callable[[Record], None]]):
-        self.rank, self.report = rank, report
+    def __init__(self, rank: int, out_dir: Optional[str], report: Optional[Callable[[Record], None]],
+                 echo: bool = True):
+        self.rank, self.report, self.echo = rank, report, echo
         local = out_dir is not None and not is_uri(out_dir)
         self.metrics_path = os.path.join(out_dir, "metrics.jsonl") if local else None
         if self.metrics_path and rank == 0:
@@ -69,9 +73,9 @@ class RunLog:
             print(msg, flush=True)  # torchrun pipes stdout: flush so the log flows
 
     def progress(self, msg: str) -> None:
-        """A step or evaluation line: printed here unless a driver receives the records, which
-        prints its own line for the same step (on Ray the two would say it twice)."""
-        if self.report is None:
+        """A step or evaluation line: printed here unless a driver prints its own line for the
+        same record (on Ray the two would say it twice)."""
+        if self.echo:
             self.say(msg)
 
     def record(self, **metrics: Any) -> None:

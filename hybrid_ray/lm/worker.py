@@ -29,7 +29,7 @@ class LMTrainFn:
                                                       report=ctx.report, on_step=ctx.step_done,
                                                       stop=ctx.agree_to_stop,
                                                       directive=ctx.agree_on_directive,
-                                                      flush=ctx.flush_reports,
+                                                      flush=ctx.flush_reports, driver_prints=True,
                                                       threads=torch.get_num_threads()))
         if result.stopped:
             raise StopTraining()

@@ -21,6 +21,7 @@ def run_job(tmp_path: Path, job: dict, *flags: str) -> subprocess.CompletedProce
     path.write_text(json.dumps(job))
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+    env["MLFLOW_TRACKING_URI"] = f"sqlite:///{tmp_path}/mlflow.db"  # rank 0 records the run
     return subprocess.run([sys.executable, "jobs/train_lm.py", "--config", str(path), *flags],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
 
@@ -47,6 +48,16 @@ def test_two_ranks_train_then_resume_on_one(tmp_path):
     assert "global_step20 at step 20; data epoch 0, sample 320 of" in proc.stdout
     assert "batch 16 = 8 micro x 2 accumulation x 1 ranks" in proc.stdout
     assert "step    30/30" in proc.stdout and "step    10/" not in proc.stdout
+    # Both launches recorded one MLflow run (rank 0, the Ray job's layout), continued by the resume.
+    from mlflow import MlflowClient
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert len(runs) == 1 and runs[0].info.status == "FINISHED", runs
+    run = runs[0].info.run_id
+    assert [m.step for m in client.get_metric_history(run, "train_loss")] == [10, 20, 30]
+    assert runs[0].data.tags["hybrid_ray.sessions"] == "2" and runs[0].data.params["launch.nproc"] == "2"
+    assert [f.path for f in client.list_artifacts(run, "model")] == ["model/model.safetensors"]
+    assert f"MLflow: run {run} (run)" in proc.stdout
 
 
 def test_failure_in_a_rank_exits_1_with_a_message(tmp_path):
@@ -55,6 +66,10 @@ def test_failure_in_a_rank_exits_1_with_a_message(tmp_path):
     assert proc.returncode == 1
     assert "training failed: DidNotLearnError: final val loss" in proc.stderr
     assert "error: training failed (torchrun exit code" in proc.stderr
+    from mlflow import MlflowClient
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert [r.info.status for r in runs] == ["FAILED"]  # the run says how it ended
 
 
 def test_bad_job_file_or_data_source_exits_2_before_any_process(tmp_path):

@@ -24,8 +24,7 @@ def test_the_exported_model_is_uploaded_from_the_run_folder(tmp_path, monkeypatc
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     tracker = RunTracker("export", tracking_uri=uri)
     value = SimpleNamespace(val_loss=1.5, unigram_nats=2.5, steps=2, sample="")
-    finish_tracking(tracker, str(run_dir), str(run_dir / "checkpoints"),
-                    SimpleNamespace(value=value, failures=0, world_sizes=[1]))
+    finish_tracking(tracker, str(run_dir), str(run_dir / "checkpoints"), value, 0, [1])
     client = MlflowClient(uri)
     run = client.get_run(tracker.run_id)
     assert [f.path for f in client.list_artifacts(run.info.run_id, "model")] == ["model/model.safetensors"]
