@@ -76,7 +76,8 @@ def _train(args: argparse.Namespace) -> int:
     sizes = ray_sizes(args)
     if sizes is not None:
         return run_on_ray(args, *sizes)
-    return run(args.config, args.nproc, args.resume, args.overrides, args.steps)
+    return run(args.config, args.nproc, args.resume, args.overrides, args.steps, args.storage,
+               args.restart)
 
 
 def main(argv: Optional[List[str]] = None) -> int:

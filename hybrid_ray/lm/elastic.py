@@ -1,9 +1,10 @@
 """The LM job on Ray: the driver validates the job file and prepares the data, then every
 worker of every generation runs `hybrid_ray.lm.loop.train` on the group it joined.
 
-Checkpoints and metrics live in train.out_dir, which is `storage_path/run_name` for the
-elastic trainer: a resubmitted job with the same out_dir (run name) resumes from its newest
-checkpoint. Paths are made absolute on the driver: workers do not share its working directory.
+Checkpoints and metrics live in the run folder, `<storage>/<run name>` (placement.py): a
+resubmitted job with the same run folder resumes from its newest checkpoint, and says from which
+step before it starts (resubmit.py). Paths are made absolute on the driver: workers do not share
+its working directory.
 The records the workers send go through one router (router.py) to MLflow and the progress display.
 """
 from __future__ import annotations
@@ -20,15 +21,18 @@ from hybrid_ray.cluster.progress import ProgressReporter
 from hybrid_ray.cluster.trainer import ElasticTrainer, cluster_has_gpus, connect
 from hybrid_ray.config import ConfigError
 from hybrid_ray.config.cluster import FailureConfig, ScalingConfig
-from hybrid_ray.config.paths import absolute, is_uri
 from hybrid_ray.data import ensure_prepared
-from hybrid_ray.lm.job import Job, for_world, load_job
+from hybrid_ray.lm.job import Job, console_interval, for_world, load_job
+from hybrid_ray.lm.metric_names import MetricNames
+from hybrid_ray.lm.placement import place
+from hybrid_ray.lm.resubmit import starting_step
+from hybrid_ray.lm.signals import Terminated, ignore_terminate, terminate_raises
 from hybrid_ray.lm.router import RecordRouter, finish_tracking, open_tracker
 from hybrid_ray.lm.setup import checkpoint_dir
 from hybrid_ray.lm.worker import LMTrainFn
 from hybrid_ray.tracking import RunTracker, sampling_interval_s
 
-__all__ = ["LMTrainFn", "absolute_paths", "driver_job", "run_elastic", "validated"]
+__all__ = ["LMTrainFn", "driver_job", "run_elastic", "validated"]
 
 EXIT_OK, EXIT_FAILED, EXIT_CONFIG = 0, 1, 2
 
@@ -41,28 +45,15 @@ def driver_job(raw: Mapping[str, Any], min_workers: int, max_workers: int) -> Jo
     return job
 
 
-def absolute_paths(raw: Mapping[str, Any], run_name: Optional[str]) -> Dict[str, Any]:
-    """The raw job with local data/output paths absolute, and out_dir renamed for run_name."""
-    out = copy.deepcopy(dict(raw))
-    data, train_section = dict(out.get("data", {})), dict(out.get("train", {}))
-    if isinstance(data.get("path"), str):
-        data["path"] = absolute(data["path"])
-    out_dir = (train_section.get("out_dir") or "runs/lm").rstrip("/")
-    if run_name:  # same parent folder, the run's own name
-        out_dir = posixpath.join(posixpath.dirname(out_dir), run_name)
-    train_section["out_dir"] = out_dir if is_uri(out_dir) else absolute(out_dir)
-    out["data"], out["train"] = data, train_section
-    return out
-
-
 def validated(raw: Mapping[str, Any], min_workers: int, max_workers: int, run_name: Optional[str],
-              max_failures: int, use_gpu: Optional[bool]
+              max_failures: int, use_gpu: Optional[bool], storage: Optional[str] = None
               ) -> Tuple[Dict[str, Any], Job, ScalingConfig, FailureConfig]:
-    """Everything checked before the cluster is touched: the settings, the job at every world
-    size, the dataset (built here when missing). ConfigError, or OSError/ValueError for data."""
+    """Everything checked before the cluster is touched: the settings, the run's places
+    (placement.py), the job at every world size, the dataset (built here when missing).
+    ConfigError, or OSError/ValueError for data."""
     scaling = ScalingConfig(min_workers=min_workers, max_workers=max_workers, use_gpu=bool(use_gpu))
     failure = FailureConfig(max_failures=max_failures)
-    raw = absolute_paths(raw, run_name)
+    raw = place(raw, storage, run_name)
     job = driver_job(raw, min_workers, max_workers)
     ensure_prepared(job.data.corpus, job.data.path, job.data.prepare)
     return raw, job, scaling, failure
@@ -70,11 +61,14 @@ def validated(raw: Mapping[str, Any], min_workers: int, max_workers: int, run_na
 
 def run_elastic(raw: Mapping[str, Any], min_workers: int, max_workers: int,
                 address: Optional[str] = None, run_name: Optional[str] = None,
-                max_failures: int = 3, use_gpu: Optional[bool] = None) -> int:
-    """Driver of the LM job on Ray; returns the exit code (0 ok, 1 failed, 2 bad input)."""
+                max_failures: int = 3, use_gpu: Optional[bool] = None,
+                storage: Optional[str] = None, restart: bool = False) -> int:
+    """Driver of the LM job on Ray; returns the exit code (0 ok, 1 failed, 2 bad input).
+    storage, run_name: where the run folder is (placement.py); restart: see resubmit.py."""
     try:
         raw, job, scaling, failure = validated(raw, min_workers, max_workers, run_name,
-                                               max_failures, use_gpu)
+                                               max_failures, use_gpu, storage)
+        starting_step(job, posixpath.basename(job.train.out_dir), resuming=True, restart=restart)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_CONFIG
@@ -90,18 +84,25 @@ def run_elastic(raw: Mapping[str, Any], min_workers: int, max_workers: int,
                                             "scaling.use_gpu": scaling.use_gpu})
     print(f"run {name}: {min_workers}-{max_workers} {'GPU' if scaling.use_gpu else 'CPU'} worker(s), "
           f"checkpoints and metrics in {job.train.out_dir}; MLflow {tracker.tracking_uri}", flush=True)
-    progress = ProgressReporter(total_steps=job.train.steps)
+    progress = ProgressReporter(total_steps=job.train.steps, log_every=console_interval(job))
     # The coordinator's directives go to the controller the trainer makes when it starts.
     router = _router(lambda directive: trainer.controller.send_directive(directive), tracker,
-                     progress, job)
+                     progress, job, MetricNames.for_job(job, fixed_world=min_workers == max_workers))
     trainer = ElasticTrainer(LMTrainFn(raw), scaling, failure, storage_path=storage, run_name=name,
                              address=address, on_record=router, on_event=router.event,
                              node_metrics_interval_s=sampling_interval_s())
     try:
-        result = trainer.fit()
+        with terminate_raises():  # `ray job stop`: record KILLED before its SIGKILL (3 s later)
+            result = trainer.fit()
     except BaseException as exc:
+        ignore_terminate()
         progress.close()
-        tracker.close("FAILED")
+        stopped = isinstance(exc, (Terminated, KeyboardInterrupt))
+        tracker.close("KILLED" if stopped else "FAILED", timeout_s=2.0 if stopped else 30.0)
+        if stopped:
+            print(f"stopped: {exc or type(exc).__name__}; the same command resumes the run from "
+                  f"its newest checkpoint", file=sys.stderr, flush=True)
+            return EXIT_FAILED
         if not isinstance(exc, TrainingFailedError):
             raise
         print(f"error: {exc}", file=sys.stderr)
@@ -112,13 +113,13 @@ def run_elastic(raw: Mapping[str, Any], min_workers: int, max_workers: int,
 
 
 def _router(send: Callable[[dict], None], tracker: RunTracker, progress: ProgressReporter,
-            job: Job) -> RecordRouter:
+            job: Job, names: MetricNames) -> RecordRouter:
     """The run's record router; with `gradient_compression.type: auto` its coordinator hands
     the driver's choices to `send` (every worker)."""
     coordinator = CompressionCoordinator(
         job.engine.gradient_compression, send=send, event=lambda msg: router.event(msg),
         tag=lambda setting: tracker.set_tags({"compression.setting": setting}))
-    router = RecordRouter(tracker, progress, coordinator)
+    router = RecordRouter(tracker, progress, coordinator, names)
     coordinator.announce()
     return router
 

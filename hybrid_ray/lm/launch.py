@@ -9,9 +9,10 @@ variables set. Under torchrun (the variables already set) it trains directly. A 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import gc
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -24,6 +25,9 @@ import torch.distributed as dist
 from hybrid_ray.config import ConfigError
 from hybrid_ray.config.api import read_json
 from hybrid_ray.lm.job import Job, for_world, load_job
+from hybrid_ray.lm.placement import place
+from hybrid_ray.lm.resubmit import run_name, starting_step
+from hybrid_ray.lm.signals import Terminated, ignore_terminate, terminate_raises
 
 EXIT_FAILED, EXIT_CONFIG = 1, 2
 _PACKAGE_PARENT = str(Path(__file__).resolve().parents[2])
@@ -50,7 +54,17 @@ def add_job_options(p: argparse.ArgumentParser) -> None:
                         "--set train.out_dir=runs/fp32 (VALUE is JSON, else a string); repeatable")
     p.add_argument("--steps", type=int, default=None, metavar="N",
                    help="run N optimizer steps: train.steps, and the learning-rate schedule's "
-                        "total and warm-up steps scaled to match (applied after --set)")
+                        "total and warm-up steps and the evaluation and checkpoint intervals "
+                        "scaled to match (before --set: a value set there stands)")
+    p.add_argument("--storage", default=None, metavar="DIR_OR_URI",
+                   help="parent folder of the run folder (a path or a pyarrow.fs URI, e.g. "
+                        "s3://bucket/runs; default: train.storage, else train.out_dir's parent); "
+                        "the embedded MLflow store is DIR/mlflow.db. Under `ray job submit` give "
+                        "an absolute path, e.g. --storage \"$PWD/runs\"")
+    p.add_argument("--restart", action="store_true",
+                   help="start over from step 0 although an MLflow run of this name has "
+                        "progress and the run folder no checkpoint (the old MLflow run is kept, "
+                        "renamed)")
 
 
 def add_ray(p: argparse.ArgumentParser) -> None:
@@ -93,43 +107,54 @@ def main(argv: Optional[List[str]] = None, prog: str = "train_lm.py") -> int:
     sizes = None if launched() else ray_sizes(args)
     if sizes is not None:
         return run_on_ray(args, *sizes)
-    return run(args.config, args.nproc, args.resume, args.overrides, args.steps)
+    return run(args.config, args.nproc, args.resume, args.overrides, args.steps, args.storage,
+               args.restart)
+
+
+def edited_job(config: str, overrides: Sequence[str], steps: Optional[int]) -> dict:
+    """The job file with --steps, then --set applied (a value set stands); ConfigError."""
+    from hybrid_ray.lm.job import apply_overrides, with_steps
+
+    raw = read_json(Path(config))
+    return apply_overrides(with_steps(raw, steps) if steps is not None else raw, overrides)
 
 
 def run_on_ray(args: argparse.Namespace, min_workers: int, max_workers: int) -> int:
     """The elastic run: a driver here, the ranks on Ray workers (always resuming: elastic runs
     continue from their newest checkpoint after every membership change)."""
     from hybrid_ray.lm.elastic import run_elastic
-    from hybrid_ray.lm.job import apply_overrides, with_steps
 
     try:
-        raw = apply_overrides(read_json(Path(args.config)), args.overrides)
-        if args.steps is not None:
-            raw = with_steps(raw, args.steps)
+        raw = edited_job(args.config, args.overrides, args.steps)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     return run_elastic(raw, min_workers, max_workers, address=args.address,
-                       run_name=args.run_name, max_failures=args.max_failures)
+                       run_name=args.run_name, max_failures=args.max_failures,
+                       storage=args.storage, restart=args.restart)
 
 
 def run(config: str, nproc: int, resume: bool = False, overrides: Sequence[str] = (),
-        steps: Optional[int] = None) -> int:
-    """Validate the job file before any process starts, then train; returns the exit code."""
+        steps: Optional[int] = None, storage: Optional[str] = None, restart: bool = False) -> int:
+    """Validate the job file before any process starts, say where the run starts, then train;
+    returns the exit code."""
     if nproc < 1:
         print(f"error: --nproc: out of range; got {nproc}; allowed: >= 1", file=sys.stderr)
         return EXIT_CONFIG
     try:
-        job = load_job(config, overrides, steps)
+        raw = place(edited_job(config, overrides, steps), storage, folder=False)
+        job = dataclasses.replace(load_job(raw), path=str(config))
         # Batch sizes depend on the world size: check them before starting any process.
         for_world(job, int(os.environ.get("WORLD_SIZE", nproc)))
+        if not launched():  # once, before any rank starts
+            starting_step(job, run_name(job), resume, restart)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     if launched() or nproc == 1:
         return run_worker(job, resume)
     code = prepare_here(job)
-    return code if code else relaunch(config, nproc, resume, overrides, steps)
+    return code if code else relaunch(config, nproc, resume, overrides, steps, storage)
 
 
 def prepare_here(job: Job) -> int:
@@ -147,15 +172,20 @@ def prepare_here(job: Job) -> int:
 def run_worker(job: Job, resume: bool = False) -> int:
     """Train as one rank (rank 0 records the run in MLflow, as the Ray driver does); a failure
     prints its traceback, then one line naming the rank and the error, and returns exit code 1."""
-    from hybrid_ray.lm.loop import train  # torch-heavy: not needed to validate or re-launch
-    from hybrid_ray.lm.router import finish_tracking, record_locally
-    from hybrid_ray.lm.setup import RunContext, checkpoint_dir
+    from hybrid_ray.lm.router import record_locally
 
     rank, world = os.environ.get("RANK", "0"), int(os.environ.get("WORLD_SIZE", "1"))
     tracker, router = record_locally(job, world) if rank == "0" else (None, None)
-    on_sigterm = signal.getsignal(signal.SIGTERM)
-    if tracker is not None:  # torchrun stops the other ranks with SIGTERM when one fails
-        signal.signal(signal.SIGTERM, _terminated)
+    # torchrun stops the other ranks with SIGTERM when one fails: rank 0 then records KILLED.
+    with terminate_raises() if tracker is not None else contextlib.nullcontext():
+        return _train_rank(job, resume, rank, world, tracker, router)
+
+
+def _train_rank(job: Job, resume: bool, rank: str, world: int, tracker: Any, router: Any) -> int:
+    from hybrid_ray.lm.loop import train  # torch-heavy: not needed to validate or re-launch
+    from hybrid_ray.lm.router import finish_tracking
+    from hybrid_ray.lm.setup import RunContext, checkpoint_dir
+
     try:
         result = train(job, RunContext(resume=resume, report=router))
         if tracker is not None:
@@ -164,7 +194,7 @@ def run_worker(job: Job, resume: bool = False) -> int:
         return 0
     except Exception as exc:  # noqa: BLE001 - every failure must end in a message and exit 1
         if tracker is not None:  # record how the run ended: torchrun waits before it SIGKILLs
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            ignore_terminate()
         traceback.print_exc()
         print(f"error: rank {rank}: training failed: {type(exc).__name__}: {exc}",
               file=sys.stderr, flush=True)
@@ -172,7 +202,6 @@ def run_worker(job: Job, resume: bool = False) -> int:
             tracker.close("KILLED" if isinstance(exc, Terminated) else "FAILED")
         return EXIT_FAILED
     finally:
-        signal.signal(signal.SIGTERM, on_sigterm)
         # The engine sits in reference cycles (its gradient hooks) that hold the process group;
         # left to interpreter shutdown, gloo's teardown sometimes aborts the process (SIGABRT,
         # "terminate called without an active exception") after a successful run.
@@ -181,16 +210,8 @@ def run_worker(job: Job, resume: bool = False) -> int:
             dist.destroy_process_group()
 
 
-class Terminated(Exception):
-    """This rank was told to stop (SIGTERM: torchrun ending the run after another rank failed)."""
-
-
-def _terminated(signum: int, frame: Any) -> None:
-    raise Terminated("stopped by SIGTERM (another rank failed, or the launcher was stopped)")
-
-
 def relaunch(config: str, nproc: int, resume: bool = False, overrides: Sequence[str] = (),
-             steps: Optional[int] = None) -> int:
+             steps: Optional[int] = None, storage: Optional[str] = None) -> int:
     """Run N ranks with torchrun (gloo on CPU, one GPU each on CUDA); returns its exit code."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     env = dict(os.environ)
@@ -198,11 +219,13 @@ def relaunch(config: str, nproc: int, resume: bool = False, overrides: Sequence[
     env.setdefault("OMP_NUM_THREADS", str(max(1, cores // nproc)))
     # The children import hybrid_ray by module name: make that work from a bare checkout too.
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [_PACKAGE_PARENT, env.get("PYTHONPATH")]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+    # --local-addr: the ranks rendezvous at 127.0.0.1, not at the address the host name resolves to.
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--local-addr=127.0.0.1",
            f"--nproc_per_node={nproc}", "-m", "hybrid_ray.lm", "--config", str(Path(config).resolve())]
     cmd += ["--resume"] if resume else []
     cmd += [arg for item in overrides for arg in ("--set", item)]
     cmd += ["--steps", str(steps)] if steps is not None else []
+    cmd += ["--storage", storage] if storage is not None else []
     print(f"launching {nproc} processes: {' '.join(cmd[1:])}", flush=True)
     start = time.perf_counter()
     code = subprocess.call(cmd, env=env)

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from hybrid_ray.cluster import ElasticTrainer, FailureConfig, ScalingConfig
-from hybrid_ray.lm.elastic import LMTrainFn, absolute_paths
+from hybrid_ray.lm.elastic import LMTrainFn
+from hybrid_ray.lm.placement import place
 from tests.unit.test_lm_job import TINY
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -26,7 +27,7 @@ def job(data: Path, out: Path, steps: int = 16) -> dict:
     raw["engine"]["bf16"] = {"enabled": False}  # fp32: bitwise comparisons across runs
     raw["data"]["path"] = str(data)
     raw["train"].update(steps=steps, eval_interval=8, save_interval=4, out_dir=str(out), sample_tokens=8)
-    return absolute_paths(raw, None)
+    return place(raw)
 
 
 @pytest.fixture(scope="module")

@@ -251,3 +251,17 @@ def test_mlflow_tracking_uri_reaches_the_job(cluster, rayjob):
     runtime_env = yaml.safe_load(rayjob["spec"]["runtimeEnvYAML"])
     assert runtime_env["env_vars"]["MLFLOW_TRACKING_URI"].startswith("http")
     assert cluster["metadata"]["hybrid_ray_job"]["mlflow_tracking_uri"].startswith("http")
+
+
+def test_the_manifests_entrypoints_place_the_run_outside_rays_working_dir_copy(cluster, rayjob):
+    """Both manifests submit with a working_dir, so the entrypoint runs in Ray's temporary copy:
+    its run folder must be given as a URI or absolute path (hybrid_ray/lm/placement.py)."""
+    from hybrid_ray.lm.launch import edited_job, parser
+    from hybrid_ray.lm.placement import place
+    under_job = {"RAY_JOB_CONFIG_JSON_ENV_VAR": json.dumps({"runtime_env": {"working_dir": "x"}}),
+                 "MLFLOW_TRACKING_URI": "http://mlflow:5000"}
+    for manifest, command in entrypoints(cluster, rayjob).items():
+        args = parser().parse_args(shlex.split(command)[2:])
+        raw = place(edited_job(str(REPO / args.config), args.overrides, args.steps), args.storage,
+                    args.run_name, environ=under_job)
+        assert raw["train"]["out_dir"].startswith("s3://"), (manifest, raw["train"]["out_dir"])
