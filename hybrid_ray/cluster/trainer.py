@@ -66,8 +66,11 @@ def connect(address: Optional[str]) -> None:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     if not sys.stdout.isatty():  # the workers' lines come with colour codes otherwise: noise in a log
         os.environ.setdefault("RAY_COLOR_PREFIX", "0")
-    ray.init(address=address or os.environ.get("RAY_ADDRESS"), log_to_driver=True,
-             include_dashboard=False if not (address or os.environ.get("RAY_ADDRESS")) else None)
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, log_to_driver=True)
+    else:  # a cluster of this machine only: every Ray and rendezvous socket on loopback
+        ray.init(log_to_driver=True, include_dashboard=False, _node_ip_address="127.0.0.1")
 
 
 def cluster_has_gpus() -> bool:

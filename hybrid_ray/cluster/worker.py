@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from hybrid_ray.engine import Topology
+from hybrid_ray.engine import Topology, gloo_on_loopback
 
 from .context import StopTraining, WorkerContext
 from .records import Record, SystemSample
@@ -57,8 +57,9 @@ class Worker:
                 "pid": os.getpid(), "gpus": [str(g) for g in ray.get_gpu_ids()]}
 
     def free_port(self) -> int:
-        with socket.socket() as s:
-            s.bind(("", 0))
+        import ray
+        with socket.socket() as s:  # on the node's own address: loopback for a local cluster
+            s.bind((ray.util.get_node_ip_address(), 0))
             return s.getsockname()[1]
 
     # ---- a training run ---------------------------------------------------------------
@@ -208,6 +209,7 @@ def _join(spec: Dict[str, Any], abort: threading.Event) -> Topology:
     # be seconds late), the collectives after it only for a peer that died or froze: two bounds.
     rendezvous_s = max(spec.get("rendezvous_timeout_s", 0), spec["collective_timeout_s"])
     _forget_failed_groups()
+    gloo_on_loopback(spec["master_addr"])
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                             init_method=f"tcp://{spec['master_addr']}:{spec['master_port']}",
                             rank=rank, world_size=world, timeout=datetime.timedelta(seconds=rendezvous_s))

@@ -58,9 +58,40 @@ class Topology:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         backend = "nccl" if device.type == "cuda" else "gloo"
+        gloo_on_loopback(os.environ.get("MASTER_ADDR", ""))
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
                                 device_id=device if device.type == "cuda" else None)
         return cls(dist.get_rank(), dist.get_world_size(), device, dist.group.WORLD)
+
+
+def gloo_on_loopback(master_addr: str) -> None:
+    """With the rendezvous on this machine's loopback, gloo's connections stay there too.
+
+    Gloo binds to the interface GLOO_SOCKET_IFNAME names, else to the address the host name
+    resolves to: on a machine whose name resolves to its network address, a local run would
+    listen there and its traffic leave loopback. A user's GLOO_SOCKET_IFNAME is kept.
+    """
+    if "GLOO_SOCKET_IFNAME" in os.environ or not _is_loopback(master_addr):
+        return
+    name = loopback_interface()
+    if name is not None:
+        os.environ["GLOO_SOCKET_IFNAME"] = name
+
+
+def _is_loopback(addr: str) -> bool:
+    return addr == "localhost" or addr.startswith("127.") or addr == "::1"
+
+
+def loopback_interface() -> Optional[str]:
+    """The name of the interface that holds 127.0.0.1 ('lo' on Linux, 'lo0' on macOS)."""
+    import socket
+
+    import psutil
+
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.family == socket.AF_INET and a.address == "127.0.0.1" for a in addrs):
+            return name
+    return None
 
 
 def _default_device() -> torch.device:

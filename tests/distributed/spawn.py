@@ -10,6 +10,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from hybrid_ray.engine.topology import gloo_on_loopback
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -21,6 +23,7 @@ def _entry(rank: int, fn: Callable, world: int, port: int, args: tuple,
            timeout_s: Optional[float], backend: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    gloo_on_loopback("127.0.0.1")  # gloo's own sockets too, not the host name's address
     timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
     device = None
     if backend == "nccl":  # one GPU per rank
