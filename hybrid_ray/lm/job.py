@@ -76,7 +76,13 @@ class TrainSection:
     eval_samples: Optional[int] = checked(256, ge=1)
     """Validation windows in periodic evaluations; null means all. The final one uses all."""
     out_dir: Optional[str] = None
-    """Run folder: checkpoints/ and metrics.jsonl; null writes neither (and cannot resume)."""
+    """Run folder: checkpoints/ and metrics.jsonl; null writes neither (and cannot resume).
+    On the command line the run folder is `<storage>/<run name>` (hybrid_ray/lm/placement.py)."""
+    storage: Optional[str] = None
+    """Parent folder of the run folder (a local path or a pyarrow.fs URI such as
+    s3://bucket/runs), replacing out_dir's parent; --storage overrides it. Required as an
+    absolute path or URI under `ray job submit --working-dir`, whose working directory is a
+    temporary copy."""
     save_interval: Optional[int] = checked(None, ge=1)
     """Checkpoint every this many steps (and at the end) when out_dir is set; null: end only."""
     sample_tokens: int = checked(100, ge=0)
@@ -122,15 +128,15 @@ def is_job_file(raw: Any) -> bool:
 
 def load_job(source: Union[str, os.PathLike, Mapping[str, Any]],
              overrides: Sequence[str] = (), steps: Optional[int] = None) -> Job:
-    """Load and validate a job file (path or dict), with `KEY.PATH=VALUE` overrides applied
-    first (see apply_overrides), then `steps` (see with_steps); every error is one-line
-    ConfigError."""
+    """Load and validate a job file (path or dict), with `steps` applied first (see
+    with_steps), then the `KEY.PATH=VALUE` overrides (see apply_overrides: a value set there
+    stands as given); every error is one-line ConfigError."""
     path = "" if isinstance(source, Mapping) else str(source)
     raw = source if isinstance(source, Mapping) else read_json(Path(source))
-    if overrides:
-        raw = apply_overrides(raw, overrides)
     if steps is not None:
         raw = with_steps(raw, steps)
+    if overrides:
+        raw = apply_overrides(raw, overrides)
     if not isinstance(raw, Mapping):
         raise config_error("", "expected an object", raw, "sections: " + ", ".join(SECTIONS))
     if not is_job_file(raw):
@@ -142,7 +148,7 @@ def load_job(source: Union[str, os.PathLike, Mapping[str, Any]],
             raise unknown_key_error("", key, SECTIONS)
     # Sections in the order of the file's usual layout, so the first error reported is the
     # first one a reader meets.
-    engine = _load_engine(raw["engine"])
+    engine = _load_engine(_with_log_interval(raw["engine"], raw.get("train")))
     model = load_dataclass(ModelSection, raw.get("model", {}), "model")
     train = load_dataclass(TrainSection, _required(raw, "train"), "train")
     _check_schedule(engine, train)
@@ -178,7 +184,8 @@ def with_steps(raw: Any, steps: int) -> dict:
     """A copy of raw that runs `steps` optimizer steps: train.steps, and the learning-rate
     schedule's total_num_steps and warmup_num_steps scaled to keep the schedule's shape (the
     warm-up at least one step, and shorter than the run, which a decay schedule needs), so one
-    flag shortens a run."""
+    flag shortens a run. Evaluation and checkpoint intervals shrink with a shorter run (a
+    600-step run saving every 200 steps saves every 10 at --steps 30); a longer run keeps them."""
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise config_error("--steps", "out of range", steps, "allowed: an integer >= 1")
     out = copy.deepcopy(dict(raw)) if isinstance(raw, Mapping) else {}
@@ -186,6 +193,7 @@ def with_steps(raw: Any, steps: int) -> dict:
     if not isinstance(train, dict):
         raise config_error("train", "cannot set inside a non-object", train)
     before, train["steps"] = train.get("steps"), steps
+    _scale_intervals(train, before, steps)
     engine = out.get("engine")
     scheduler = engine.get("scheduler") if isinstance(engine, dict) else None
     params = scheduler.get("params") if isinstance(scheduler, dict) else None
@@ -197,6 +205,22 @@ def with_steps(raw: Any, steps: int) -> dict:
     if isinstance(params.get("warmup_num_steps"), int):
         params["warmup_num_steps"] = min(steps - 1, max(1, round(params["warmup_num_steps"] * scale)))
     return out
+
+
+def console_interval(job: Job) -> int:
+    """Steps between progress lines: about 20 lines a run, at steps the job logs (every
+    engine.steps_per_print, which MLflow gets every one of)."""
+    every = max(1, job.engine.steps_per_print)
+    return max(every, round(job.train.steps / 20 / every) * every)
+
+
+def _scale_intervals(train: dict, before: Any, steps: int) -> None:
+    if not isinstance(before, int) or isinstance(before, bool) or not 0 < steps < before:
+        return
+    for key in ("eval_interval", "save_interval"):
+        value = train.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            train[key] = max(1, round(value * steps / before))
 
 
 def _required(raw: Mapping[str, Any], key: str) -> Any:
@@ -229,6 +253,15 @@ def for_world(job: Job, world: int) -> Job:
     except ConfigError as exc:
         raise type(exc)(f"[engine] {exc}", f"engine.{exc.path}") from None
     return dataclasses.replace(job, engine=cfg)
+
+
+def _with_log_interval(engine: Any, train: Any) -> Any:
+    """Without its own steps_per_print, a job logs about 100 points of every series per run."""
+    steps = train.get("steps") if isinstance(train, Mapping) else None
+    if not isinstance(engine, Mapping) or "steps_per_print" in engine or \
+            not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+        return engine
+    return {**engine, "steps_per_print": max(1, steps // 100)}
 
 
 def _load_engine(raw: Any) -> Config:

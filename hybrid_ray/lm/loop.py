@@ -22,7 +22,7 @@ from hybrid_ray.cluster.compression_follower import DirectiveFollower
 from hybrid_ray.cluster.records import LinkProbe, Params, Text
 from hybrid_ray.engine.flops.report import format_report
 from hybrid_ray.lm.evaluate import all_sum, evaluate, generate
-from hybrid_ray.lm.job import Job, for_world
+from hybrid_ray.lm.job import Job, console_interval, for_world
 from hybrid_ray.lm.setup import (Run, RunContext, RunLog, build, checkpoint_dir, prepare_data,
                                  resume, set_threads)
 from hybrid_ray.profiling.speedometer import Speedometer
@@ -113,13 +113,13 @@ def train_steps(job: Job, run: Run, log: RunLog,
                         tokens_per_sample=job.model.seq_len,
                         on_report=lambda rec: log.record(**{k: v for k, v in rec.items() if k != "loss"}))
     engine, steps, every = run.engine, job.train.steps, run.engine.config.steps_per_print
+    console, logged = console_interval(job), engine.global_steps
     tokens_per_step = engine.train_batch_size() * job.model.seq_len
     data = batches(run)
     # Summed on the device and read once per log line: a float(loss) per micro-step would be a
     # host-device sync per micro-step on a GPU.
     loss_sum = torch.zeros(2, dtype=torch.float32, device=engine.device)
     last_loss, paused, first = float("nan"), 0.0, engine.global_steps
-    logged = first
     start = t_log = time.perf_counter()
     for step in range(first + 1, steps + 1):
         for _ in range(engine.gradient_accumulation_steps()):
@@ -135,7 +135,8 @@ def train_steps(job: Job, run: Run, log: RunLog,
             summed = all_sum(loss_sum.clone(), engine)  # the mean over every rank's micro-batches
             last_loss = float(summed[0] / summed[1])
             now = time.perf_counter()
-            _log_step(run, log, step, steps, last_loss, (step - logged) * tokens_per_step / (now - t_log))
+            _log_step(run, log, step, steps, last_loss, (step - logged) * tokens_per_step / (now - t_log),
+                      console)
             loss_sum.zero_()
             if follower is not None:
                 log.send(follower.interval(step, step - logged, now - t_log))
@@ -191,14 +192,18 @@ def _between_steps(job: Job, run: Run, log: RunLog, step: int,
     return False
 
 
-def _log_step(run: Run, log: RunLog, step: int, total: int, loss: float, tok_s: float) -> None:
+def _log_step(run: Run, log: RunLog, step: int, total: int, loss: float, tok_s: float,
+              console: int = 1) -> None:
+    """The step's record (every steps_per_print: MLflow's points), and a console line every
+    `console` steps and at the last (about 20 a run: console_interval)."""
     engine = run.engine
     norm = engine.get_global_grad_norm()  # None before the first optimizer step
     lr, scale = engine.get_lr()[0], engine.loss_scale
     log.record(step=step, train_loss=loss, lr=lr, loss_scale=scale, grad_norm=norm, tokens_per_s=tok_s,
                skipped_steps=engine.skipped_steps, **_comm_record(engine))
-    log.progress(f"step {step:>5}/{total} | loss {loss:.4f} | lr {lr:.2e} | loss scale {scale:g} | "
-            f"grad norm {'-' if norm is None else f'{norm:.3f}'} | {tok_s:,.0f} tok/s")
+    if step % console == 0 or step == total:
+        log.progress(f"step {step:>5}/{total} | loss {loss:.4f} | lr {lr:.2e} | loss scale {scale:g} | "
+                     f"grad norm {'-' if norm is None else f'{norm:.3f}'} | {tok_s:,.0f} tok/s")
 
 
 def _follower(run: Run, ctx: RunContext, log: RunLog) -> Optional[DirectiveFollower]:

@@ -19,6 +19,7 @@ from hybrid_ray.config.loader import to_plain
 from hybrid_ray.config.paths import is_uri
 from hybrid_ray.engine.checkpoint.offline import export
 from hybrid_ray.lm.job import Job
+from hybrid_ray.lm.metric_names import MetricNames
 from hybrid_ray.tracking import FlushReport, RunTracker
 
 log = logging.getLogger("hybrid_ray.lm")
@@ -28,10 +29,13 @@ class RecordRouter:
     """Routes every record and event of one run (the trainer's on_record and on_event)."""
 
     def __init__(self, tracker: RunTracker, progress: Optional[ProgressReporter] = None,
-                 coordinator: Optional[CompressionCoordinator] = None):
+                 coordinator: Optional[CompressionCoordinator] = None,
+                 names: Optional[MetricNames] = None):
         """progress: the driver's display (None under torchrun, where rank 0 prints its own
-        lines); coordinator: the driver's compression choice (None: no driver to choose)."""
+        lines); coordinator: the driver's compression choice (None: no driver to choose);
+        names: the metrics' MLflow names and the ones left out (metric_names.py)."""
         self.tracker, self.progress, self.coordinator = tracker, progress, coordinator
+        self.names = names or MetricNames()
         self._last_step: Dict[str, int] = {}  # per metric name: the newest step routed
         self._routes: Dict[type, Callable[[Any], None]] = {
             Metrics: self._metrics,
@@ -60,7 +64,7 @@ class RecordRouter:
         if self.progress is not None:
             self.progress.record(rec)
         if rec.step is not None:
-            self.tracker.log_metrics(rec, rec.step)
+            self.tracker.log_metrics(self.names(rec), rec.step)
 
     def _fresh(self, rec: Metrics) -> bool:
         """False for a replay: after a recovery the group redoes the steps since its checkpoint
@@ -77,7 +81,7 @@ class RecordRouter:
         if self.coordinator is not None:
             self.coordinator.on_interval(rec)  # step timings: compression decisions
         if rec.step is not None:  # compression_id in MLflow shows when the setting changed
-            self.tracker.log_metrics(rec.metrics(), rec.step)
+            self.tracker.log_metrics(self.names(rec.metrics()), rec.step)
 
 
 class Untracked:
@@ -126,8 +130,8 @@ def finish_tracking(tracker: RunTracker, out_dir: Optional[str], checkpoints: Op
     the checkpoints), or a temporary folder for a run folder on an object store; either way the
     file stays until the run is closed: MLflow uploads a large artifact from where it lies, after
     the call that queued it."""
-    tracker.log_metrics({"final_val_loss": r.val_loss, "unigram_baseline": r.unigram_nats,
-                         "failures": failures}, r.steps, monotonic=False)
+    tracker.log_metrics(MetricNames()({"final_val_loss": r.val_loss, "unigram_baseline": r.unigram_nats,
+                                       "failures": failures}), r.steps, monotonic=False)
     tracker.set_tags({"checkpoints": str(checkpoints), "world_sizes": str(world_sizes)})
     if r.sample:
         tracker.log_text(r.sample, "sample.txt")
@@ -162,7 +166,8 @@ def _model_folder(out_dir: str) -> ContextManager[str]:
 
 def record_locally(job: Job, world_size: int) -> Any:
     """Rank 0's MLflow run under torchrun, in the Ray job's layout; (tracker, router)."""
-    out = job.train.out_dir
-    name = os.path.basename(out.rstrip("/")) if out else (os.path.splitext(os.path.basename(job.path))[0] or "lm")
+    from hybrid_ray.lm.resubmit import run_name
+
+    name = run_name(job)
     tracker = open_tracker(name, job, job, {"launch.nproc": world_size})
-    return tracker, RecordRouter(tracker)
+    return tracker, RecordRouter(tracker, names=MetricNames.for_job(job, fixed_world=True))

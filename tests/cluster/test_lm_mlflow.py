@@ -47,22 +47,26 @@ def test_killed_worker_leaves_one_mlflow_run_with_every_step_once(ray_session, s
     assert len(runs) == 1
     run = runs[0]
     assert run.info.status == "FINISHED"
-    history = client.get_metric_history(run.info.run_id, "train_loss")
+    history = client.get_metric_history(run.info.run_id, "train/loss")
     steps = [m.step for m in sorted(history, key=lambda m: m.timestamp)]
     assert steps == sorted(set(steps)) and steps[-1] == STEPS  # each step once, in order
     assert run.data.params["engine.zero_optimization.stage"] == "1"
     assert run.data.params["scaling.max_workers"] == "2"
     assert int(run.data.params["model.num_params"]) > 0 and run.data.params["engine.zero_stage"] == "1"
-    assert {"skipped_steps", "grad_bytes_sent", "compression_ratio", "tokens_per_s"} <= set(run.data.metrics)
-    assert client.get_metric_history(run.info.run_id, "final_val_loss")
-    assert [m.value for m in client.get_metric_history(run.info.run_id, "world_size")][0] == 2
+    keys = set(run.data.metrics)
+    assert {"train/loss", "train/lr", "train/skipped_steps", "perf/tokens_per_s", "val/loss"} <= keys, keys
+    # Constant by construction in a dense fp32 run: not logged.
+    assert not keys & {"train/loss_scale", "comm/compression_ratio", "comm/compress_s",
+                       "comm/grad_bytes_sent", "train_loss", "loss_scale"}, keys
+    assert client.get_metric_history(run.info.run_id, "final/val_loss")
+    assert [m.value for m in client.get_metric_history(run.info.run_id, "elastic/world_size")][0] == 2
     files = {f.path for f in client.list_artifacts(run.info.run_id)}
     assert {"config.json", "events.log", "model", "reports"} <= files, files
     assert [f.path for f in client.list_artifacts(run.info.run_id, "reports")] == ["reports/flops.txt"]
     events = client.download_artifacts(run.info.run_id, "events.log", str(tmp_path))
     text = open(events).read()
     assert "worker 1 lost" in text and "recovered: step" in text
-    assert client.get_metric_history(run.info.run_id, "recovery_s")[0].value > 0
+    assert client.get_metric_history(run.info.run_id, "elastic/recovery_s")[0].value > 0
     # The driver's host, and the worker node (one sampler per node however many workers it has).
     keys = set(run.data.metrics)
     assert "system/cpu_utilization_percentage" in keys
@@ -107,9 +111,9 @@ def test_server_down_mid_run_loses_no_metric(ray_session, server, data, tmp_path
     exp = client.get_experiment_by_name("lm-outage-exp")
     [run] = client.search_runs([exp.experiment_id], "tags.`hybrid_ray.run_name` = 'lm-outage'")
     assert run.info.status == "FINISHED"
-    history = sorted(client.get_metric_history(run.info.run_id, "train_loss"), key=lambda m: m.step)
+    history = sorted(client.get_metric_history(run.info.run_id, "train/loss"), key=lambda m: m.step)
     assert [m.step for m in history] == _steps_logged(out) == list(range(1, steps + 1))
-    assert client.get_metric_history(run.info.run_id, "final_val_loss")
+    assert client.get_metric_history(run.info.run_id, "final/val_loss")
     assert any(k.startswith("system/") for k in run.data.metrics)
     warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warned) == 1 and "unreachable" in warned[0], warned  # the outage was seen, once

@@ -46,6 +46,7 @@ def test_two_ranks_train_then_resume_on_one(tmp_path):
     proc = run_job(tmp_path, job, "--nproc", "1", "--resume")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "global_step20 at step 20; data epoch 0, sample 320 of" in proc.stdout
+    assert f"run run: resuming from its checkpoint at step 20 of 30 ({tmp_path}/run/checkpoints)" in proc.stdout
     assert "batch 16 = 8 micro x 2 accumulation x 1 ranks" in proc.stdout
     assert "step    30/30" in proc.stdout and "step    10/" not in proc.stdout
     # Both launches recorded one MLflow run (rank 0, the Ray job's layout), continued by the resume.
@@ -54,7 +55,7 @@ def test_two_ranks_train_then_resume_on_one(tmp_path):
     runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
     assert len(runs) == 1 and runs[0].info.status == "FINISHED", runs
     run = runs[0].info.run_id
-    assert [m.step for m in client.get_metric_history(run, "train_loss")] == [10, 20, 30]
+    assert [m.step for m in client.get_metric_history(run, "train/loss")] == [10, 20, 30]
     assert runs[0].data.tags["hybrid_ray.sessions"] == "2" and runs[0].data.params["launch.nproc"] == "2"
     assert [f.path for f in client.list_artifacts(run, "model")] == ["model/model.safetensors"]
     assert f"MLflow: run {run} (run)" in proc.stdout

@@ -146,7 +146,11 @@ def test_steps_shortens_a_run_in_one_flag():
     assert job.train.steps == params.total_num_steps == 20
     assert params.warmup_num_steps == 2  # 50 of 600 steps, scaled: the schedule keeps its shape
     assert load_job(raw, steps=1).engine.scheduler.params.warmup_num_steps == 0  # < total
-    assert load_job(raw, ["train.eval_interval=5"], steps=30).train.eval_interval == 5
+    assert load_job(raw, ["train.eval_interval=5"], steps=30).train.eval_interval == 5  # --set stands
+    short = load_job(raw, steps=30).train  # the run keeps its shape: 3 evaluations, 3 checkpoints
+    assert (short.eval_interval, short.save_interval) == (10, 10)
+    longer = load_job(raw, steps=1200).train
+    assert (longer.eval_interval, longer.save_interval) == (200, 200)
     with pytest.raises(ConfigError, match=r"^--steps: out of range; got 0"):
         load_job(raw, steps=0)
 

@@ -56,6 +56,6 @@ def test_replayed_steps_are_routed_once():
         router(rec)
     logged = [(args[1], dict(args[0])) for name, args in tracker.calls if name == "log_metrics"]
     assert [step for step, _ in logged] == [1, 2, 3, 4, 5, 6, 7, 8, 8]
-    assert logged[4][1]["train_loss"] == 1.0 / 5  # the first arrival wins
+    assert logged[4][1]["train/loss"] == 1.0 / 5  # the first arrival wins, under its MLflow name
     assert [args[0]["step"] for name, args in progress.calls if name == "record"] == [1, 2, 3, 4, 5, 6, 7, 8, 8]
     assert ("log_params", ({"n": 1},)) in tracker.calls
