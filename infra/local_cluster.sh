@@ -171,8 +171,10 @@ setup_auth() {
   export RAY_AUTH_MODE=$AUTH_MODE
 }
 
-# Shell lines that make `ray job submit`, `ray job logs` and MLflow clients use this cluster.
+# Shell lines that make `ray job submit`, `ray job logs` and MLflow clients use this cluster,
+# and put the project's `ray`, `mlflow` and `python` first on PATH (nothing else to activate).
 env_lines() {
+  [ -n "$BIN" ] && echo "export PATH=\"${BIN%/}:\$PATH\""
   echo "export RAY_ADDRESS=http://$HOST:$DASHBOARD_PORT"
   echo "export RAY_AUTH_MODE=$AUTH_MODE"
   if [ "$AUTH_MODE" = token ]; then
@@ -185,10 +187,10 @@ env_lines() {
 print_usage_hint() {
   say "ray dashboard and job API: http://$HOST:$DASHBOARD_PORT (GCS port $RAY_PORT, auth $AUTH_MODE)"
   say "mlflow: http://$HOST:$MLFLOW_PORT (store $STATE/mlflow.db)"
-  echo "Submit the main job (the environment lines are in $STATE/env):"
-  echo "  source $STATE/env"
-  echo "  ray job submit --address http://$HOST:$DASHBOARD_PORT --working-dir . \\"
-  echo "    -- python jobs/train_lm.py --config jobs/configs/small_cpu.json --min-workers 1 --max-workers 2"
+  echo "Submit the main job from the repository (the environment lines are in $STATE/env):"
+  echo "  eval \"\$(infra/local_cluster.sh env)\""
+  echo "  ray job submit --working-dir . -- python jobs/train_lm.py --config jobs/configs/small_cpu.json \\"
+  echo "    --min-workers 1 --max-workers 2 --storage \"\$PWD/runs\" --steps 100"
   echo "Stop: infra/local_cluster.sh stop   (with the same HR_STATE_DIR)"
 }
 
@@ -234,8 +236,13 @@ print("dashboard-missing" if d() else "dashboard-ok", "client-missing" if c() el
   export RAY_USAGE_STATS_ENABLED=0
   # MLflow's server-side job runner (GenAI scorers) is not used here; it adds ~8 processes.
   export MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false
-  # Jobs inherit the raylet's environment, so they find MLflow without being told.
+  # Jobs inherit the raylet's environment, so they find MLflow without being told, and a job's
+  # `python` is the project's (torch, Ray, hybrid_ray) whatever the submitting shell has on PATH.
   export MLFLOW_TRACKING_URI=http://$HOST:$MLFLOW_PORT
+  if [ -n "$BIN" ]; then
+    export PATH="${BIN%/}:$PATH"
+    [ -f "${BIN}activate" ] && export VIRTUAL_ENV=$(cd "$BIN/.." && pwd)
+  fi
   mkdir -p "$STATE/mlartifacts"
 
   local ray_args=(start --head --block --node-ip-address "$HOST" --port "$RAY_PORT"

@@ -143,8 +143,12 @@ def test_start_both_answer_stop(local_cluster):
     c = local_cluster
     start = c.run("start")
     assert start.returncode == 0, f"stdout:\n{start.stdout}\nstderr:\n{start.stderr}"
-    assert f"ray job submit --address http://{HOST}:{c.dashboard} --working-dir ." in start.stdout
-    assert "python jobs/train_lm.py --config jobs/configs/" in start.stdout
+    assert 'eval "$(infra/local_cluster.sh env)"' in start.stdout
+    assert "ray job submit --working-dir . -- python jobs/train_lm.py --config jobs/configs/" in start.stdout
+    assert '--storage "$PWD/runs"' in start.stdout
+    env_file = (c.state / "env").read_text()
+    assert f"export PATH=\"{REPO}/.venv/bin:$PATH\"" in env_file.splitlines()[0], env_file
+    assert f"export RAY_ADDRESS=http://{HOST}:{c.dashboard}" in env_file
 
     # The job API answers without a token although ~/.ray/auth_token exists: the script passed
     # RAY_AUTH_MODE=disabled explicitly.
@@ -191,8 +195,10 @@ def test_token_mode_needs_the_token(local_cluster):
 
 
 def test_ray_job_submit_runs_the_lm_job_to_completion(local_cluster, tmp_path):
-    """The issue's way to run: `ray job submit --working-dir . -- python jobs/train_lm.py ...`
-    against a `ray start --head` cluster; the job's log shows progress and the end."""
+    """The README's way to run, in a shell that activated nothing (PATH without the venv):
+    `eval "$(infra/local_cluster.sh env)"`, then `ray job submit --working-dir . -- python
+    jobs/train_lm.py ... --storage DIR`; the job's plain `python` is the project's (the cluster
+    runs jobs with it), its log shows progress and the end, and the run folder is in DIR."""
     from tests.cluster.test_lm_on_ray import job
     c = local_cluster
     c.env["HR_NUM_CPUS"] = "3"  # two 1-CPU workers (the job's driver takes none)
@@ -200,13 +206,16 @@ def test_ray_job_submit_runs_the_lm_job_to_completion(local_cluster, tmp_path):
     assert start.returncode == 0, f"stdout:\n{start.stdout}\nstderr:\n{start.stderr}"
     cfg = tmp_path / "tiny.json"
     cfg.write_text(json.dumps(job(tmp_path / "data", tmp_path / "run", steps=8)))
-    ray = shutil.which("ray", path=str(Path(sys.executable).parent)) or "ray"
-    env = {**c.env, "RAY_AUTH_MODE": "disabled"}
-    proc = subprocess.run([ray, "job", "submit", "--address", f"http://{HOST}:{c.dashboard}",
-                           "--working-dir", str(REPO), "--", sys.executable, "jobs/train_lm.py",
-                           "--config", str(cfg), "--min-workers", "1", "--max-workers", "2"],
-                          env=env, capture_output=True, text=True, timeout=400, cwd=REPO)
+    bare = {k: v for k, v in c.env.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH", "PATH")}
+    bare["PATH"] = "/usr/local/bin:/usr/bin:/bin"
+    script = (f'eval "$(infra/local_cluster.sh env)" && ray job submit --working-dir . -- '
+              f'python jobs/train_lm.py --config {cfg} --min-workers 1 --max-workers 2 '
+              f'--storage "{tmp_path}/runs"')
+    proc = subprocess.run(["bash", "-c", script], env=bare, capture_output=True, text=True,
+                          timeout=400, cwd=REPO)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert "step 8/8" in out and "workers 2" in out, out[-4000:]
     assert "done: 8 steps" in out and "succeeded" in out, out[-4000:]
+    assert f"checkpoints and metrics in {tmp_path}/runs/run" in out, out[-4000:]
+    assert (tmp_path / "runs" / "run" / "checkpoints").is_dir()
