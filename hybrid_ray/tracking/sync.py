@@ -61,6 +61,7 @@ def sync(run_dir: str, tracking_uri: Optional[str] = None, timeout_s: float = 30
         return SyncResult(0, f"nothing to send: run {name!r} ({journal.run_id}) ended "
                              f"{journal.ended}; every record was acknowledged")
     _client_defaults(20)
+    os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")  # we print one line
     reason = _unreachable(uri)
     if reason is not None:
         return SyncResult(1, f"error: MLflow at {uri} cannot be reached ({reason}); nothing sent, "
