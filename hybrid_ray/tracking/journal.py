@@ -175,8 +175,10 @@ def sync_command(spool_dir: str) -> str:
 
 # ---- the writer's lock ------------------------------------------------------------------------
 def live_writer(spool_dir: str) -> Optional[str]:
-    """'pid P on HOST' when another live process holds the spool's lock; None when nobody does
-    or the holder is gone. A holder on another host cannot be checked and counts as live."""
+    """'pid P on HOST' when another live process of this host holds the spool's lock; None when
+    nobody does or the holder is gone. A holder on another host (a run folder on a shared file
+    system) cannot be checked: it is warned about and taken to be gone, since a driver that
+    moved host after a failure must not be locked out of its own run forever."""
     path = os.path.join(spool_dir, LOCK)
     try:
         with open(path, encoding="utf-8") as f:
@@ -184,7 +186,11 @@ def live_writer(spool_dir: str) -> Optional[str]:
     except (OSError, ValueError):
         return None
     pid, host = int(holder.get("pid", 0)), holder.get("host")
-    if host == socket.gethostname() and (pid == os.getpid() or not _alive(pid)):
+    if host != socket.gethostname():
+        log.warning("%s: last written by pid %d on %s, which cannot be checked from here; taking "
+                    "it over", spool_dir, pid, host)
+        return None
+    if pid == os.getpid() or not _alive(pid):
         return None
     return f"pid {pid} on {host}"
 
