@@ -120,6 +120,10 @@ class Journal:
             self.items = [i for i in self.items if not isinstance(i, ops.Terminate)]
             self.ended = None
         os.makedirs(os.path.join(self.dir, STAGED), exist_ok=True)
+        if tracking_uri.startswith("sqlite:///") and not tracking_uri.startswith("sqlite:////"):
+            # A relative database (MLflow's default sqlite:///mlflow.db) is the writer's working
+            # directory's: sync, run from anywhere, must find the same one.
+            tracking_uri = "sqlite:///" + os.path.abspath(tracking_uri[len("sqlite:///"):])
         self.header = {"format": FORMAT, "version": VERSION, "tracking_uri": tracking_uri,
                        "experiment": experiment, "run_name": run_name}
         lines = [self.header] + [self._record(item) for item in self.items]

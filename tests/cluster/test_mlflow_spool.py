@@ -111,7 +111,7 @@ def test_sync_sends_what_a_dead_server_missed(up, tmp_path, caplog, status):
     assert report.spooled_in == str(run_dir / "mlflow")
     warning = [r.getMessage() for r in caplog.records if "spooled" in r.getMessage()]
     assert len(warning) == 1 and f"`hybrid-ray mlflow sync {run_dir}`" in warning[0]
-    assert not list((run_dir / "mlflow" / "staged").glob("item-*/outage.txt")) == []  # kept
+    assert list((run_dir / "mlflow" / "staged").glob("item-*/outage.txt"))  # kept until sent
 
     up.start()
     out = _sync_cli(run_dir)
