@@ -236,11 +236,21 @@ class RunTracker:
         GPT); with one, MLflow's default applies (pt2: torch.export, traced at that shape)."""
         import mlflow.pytorch
 
-        save_kwargs.setdefault("pip_requirements", mlflow.pytorch.get_default_pip_requirements())
-        if save_kwargs.get("input_example") is None:
-            save_kwargs.setdefault("serialization_format", "pickle")
-        target = os.path.join(self._stage_dir(), key(name))
-        mlflow.pytorch.save_model(model, target, **save_kwargs)
+        # MLflow warns on every save that pickle is unsafe and that torch's "+cpu" label was left
+        # out of the pin: choices made here on purpose, not news for the job log.
+        quiet = [logging.getLogger(n) for n in ("mlflow.pytorch", "mlflow.utils.requirements_utils")]
+        levels = [q.level for q in quiet]
+        for q in quiet:
+            q.setLevel(logging.ERROR)
+        try:
+            save_kwargs.setdefault("pip_requirements", mlflow.pytorch.get_default_pip_requirements())
+            if save_kwargs.get("input_example") is None:
+                save_kwargs.setdefault("serialization_format", "pickle")
+            target = os.path.join(self._stage_dir(), key(name))
+            mlflow.pytorch.save_model(model, target, **save_kwargs)
+        finally:
+            for q, level in zip(quiet, levels):
+                q.setLevel(level)
         self._put(ops.Model(target, name, self._last_step if step is None else int(step)))
 
     def log_dataset(self, name: str, source: str, digest: str, profile: Optional[Mapping] = None,
