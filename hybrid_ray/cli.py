@@ -6,6 +6,7 @@
                                          # the LM job on Ray, elastic, with a live progress bar
     hybrid-ray checkpoint inspect PATH   # step, world size, stage, files, checksums
     hybrid-ray checkpoint export PATH OUT [--dtype fp32|bf16]   # model state_dict, offline
+    hybrid-ray mlflow sync RUN_DIR       # send the MLflow records a run left in RUN_DIR/mlflow
 
 `config check` takes a plain engine config (DeepSpeed-style JSON) or a job file with an
 "engine" section (jobs/configs/*.json); it builds nothing, so it runs in a second.
@@ -17,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
-from hybrid_ray import checkpoint_cli
+from hybrid_ray import checkpoint_cli, mlflow_cli
 from hybrid_ray.config import Config, ConfigError, load_config
 from hybrid_ray.config.api import read_json
 
@@ -27,7 +28,7 @@ EXIT_CONFIG = 2  # argparse's code for bad usage; a bad config is the same kind 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hybrid-ray", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="command", required=True, metavar="{config,train,checkpoint}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{config,train,checkpoint,mlflow}")
     config = sub.add_parser("config", help="work with config files")
     config_sub = config.add_subparsers(dest="action", required=True, metavar="{check}")
     check = config_sub.add_parser("check", help="validate an engine config or a job file")
@@ -42,6 +43,7 @@ def _parser() -> argparse.ArgumentParser:
     add_ray(train)
     train.set_defaults(func=_train)
     checkpoint_cli.add_commands(sub)
+    mlflow_cli.add_commands(sub)
     return p
 
 

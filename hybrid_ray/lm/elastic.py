@@ -127,7 +127,7 @@ def _router(send: Callable[[dict], None], tracker: RunTracker, progress: Progres
 def _finish(tracker: RunTracker, job: Job, result: Result) -> None:
     r = result.value
     finish_tracking(tracker, job.train.out_dir, checkpoint_dir(job), r, result.failures,
-                    result.world_sizes)
+                    result.world_sizes, job=job)
     print(f"done: {r.steps} steps, val loss {r.val_loss:.4f} nats/token against a unigram baseline "
           f"of {r.unigram_nats:.4f}; {result.failures} failure(s), world sizes {result.world_sizes}")
     print(tracker.where(), flush=True)

@@ -189,7 +189,7 @@ def _train_rank(job: Job, resume: bool, rank: str, world: int, tracker: Any, rou
     try:
         result = train(job, RunContext(resume=resume, report=router))
         if tracker is not None:
-            finish_tracking(tracker, job.train.out_dir, checkpoint_dir(job), result, 0, [world])
+            finish_tracking(tracker, job.train.out_dir, checkpoint_dir(job), result, 0, [world], job=job)
             print(tracker.where(), flush=True)
         return 0
     except Exception as exc:  # noqa: BLE001 - every failure must end in a message and exit 1

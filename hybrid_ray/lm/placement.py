@@ -122,3 +122,12 @@ def _data_path(path: str, storage: str, copy_dir: Optional[str]) -> str:
     if copy_dir is None:
         return os.path.abspath(path)
     return posixpath.join(storage, path) if is_uri(storage) else os.path.join(storage, path)
+
+
+def spool_dir(name: str, out_dir: Optional[str]) -> str:
+    """Where the run's MLflow records wait for the server: <out_dir>/mlflow beside the
+    checkpoints, or (no run folder, or one on an object store) a folder of this host's cache;
+    `hybrid-ray mlflow sync` takes either."""
+    if out_dir and not is_uri(out_dir):
+        return os.path.join(out_dir, "mlflow")
+    return os.path.join(os.path.expanduser("~"), ".cache", "hybrid_ray", "mlflow-spool", name)

@@ -10,6 +10,7 @@ from hybrid_ray.config import ConfigError
 from hybrid_ray.engine.checkpoint import read as cread
 from hybrid_ray.engine.checkpoint import storage as cio
 from hybrid_ray.lm.job import Job
+from hybrid_ray.lm.placement import spool_dir
 from hybrid_ray.lm.setup import checkpoint_dir
 
 
@@ -79,3 +80,13 @@ def _check_mlflow(job: Job, name: str, ckpt: Optional[str], restart: bool,
     renamed = retire(uri, prior, name)
     say(f"run {name}: --restart: the earlier MLflow run {prior.run_id} (step "
         f"{prior.last_step}) is kept as {renamed}; this one starts from step 0")
+    _set_spool_aside(job, name, renamed, say)
+
+
+def _set_spool_aside(job: Job, name: str, renamed: str, say: Callable[[str], None]) -> None:
+    """What the old run left unsent belongs to it, not to the run that starts over."""
+    spool = spool_dir(name, job.train.out_dir)
+    if os.path.isdir(spool):
+        aside = f"{spool}.{renamed.rsplit('.', 1)[-1]}"
+        os.rename(spool, aside)
+        say(f"run {name}: --restart: the earlier run's unsent MLflow records are kept in {aside}")

@@ -78,8 +78,7 @@ def _add(plan: Plan, item, state: RunState) -> None:
     if isinstance(item, ops.Metrics):
         _add_metrics(plan, item, state)
     elif isinstance(item, ops.SystemMetrics):
-        step = state.system_step + item.index
-        plan.metrics += [Metric(k, v, item.timestamp, step) for k, v in item.values.items()]
+        _add_system(plan, item, state)
     elif isinstance(item, ops.Params):
         _add_params(plan, item, state)
     elif isinstance(item, ops.Tags):
@@ -96,6 +95,18 @@ def _add_metrics(plan: Plan, item: ops.Metrics, state: RunState) -> None:
             continue
         plan.metrics.append(Metric(key, value, ts, step))
         plan.last_step[key] = step if last is None else max(step, last)
+
+
+def _add_system(plan: Plan, item: ops.SystemMetrics, state: RunState) -> None:
+    for key, value in item.values.items():
+        step = state.system_step + item.index
+        last = plan.last_step.get(key, state.last_step.get(key))
+        if last is not None and step <= last:
+            # Samples of an earlier session replayed from the journal took these steps: the
+            # series goes on after them rather than logging two values at one step.
+            step = last + 1
+        plan.metrics.append(Metric(key, value, item.timestamp, step))
+        plan.last_step[key] = step
 
 
 def _add_params(plan: Plan, item: ops.Params, state: RunState) -> None:

@@ -6,6 +6,9 @@ and the final status one by one. An item leaves the queue only once MLflow ackno
 A transport failure (server down, timeout, 5xx) is warned about once, then retried with
 exponential backoff until the server answers; a refusal (4xx: an invalid value, a deleted run)
 drops that item with an error, since sending it again would fail the same way.
+
+With a journal (journal.py) every item put is written to disk first, and every item that leaves
+the queue, sent or refused, is acknowledged there; staged copies are removed only after that.
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Optional
+from typing import List, Optional
 
 import requests
 from mlflow import MlflowClient
@@ -25,6 +28,8 @@ from mlflow.exceptions import MlflowException
 
 from . import ops
 from .batch import plan_batch
+from .journal import Journal
+from .outputs import send_dataset, send_model
 from .run import EVENTS_FILE, RunState, artifact_root, open_run
 
 log = logging.getLogger("hybrid_ray.tracking")
@@ -45,6 +50,8 @@ class FlushReport:
     """Refused by MLflow (invalid values, a deleted run)."""
     replayed: int
     """Metric steps logged again after a recovery, kept once (the first time)."""
+    spooled_in: Optional[str] = None
+    """The spool that keeps the unsent items (RunTracker's spool_dir), if any."""
 
 
 def transient(exc: BaseException) -> bool:
@@ -59,9 +66,9 @@ class Sender:
     """Owns the queue and the thread; see the module docstring."""
 
     def __init__(self, tracking_uri: str, experiment: str, run_name: str, staging_dir: str,
-                 max_buffered: int, max_backoff_s: float):
+                 max_buffered: int, max_backoff_s: float, journal: Optional[Journal] = None):
         self.tracking_uri, self.experiment, self.run_name = tracking_uri, experiment, run_name
-        self.staging_dir = staging_dir
+        self.staging_dir, self.journal = staging_dir, journal
         self.max_buffered, self.max_backoff_s = max_buffered, max_backoff_s
         self.state: Optional[RunState] = None
         self.sent = self.dropped = self.failed = self.replayed = 0
@@ -80,11 +87,12 @@ class Sender:
         self._thread.start()
 
     # ---- the training side -----------------------------------------------------------------
-    def put(self, item) -> bool:
-        """Queue an item; False if a metrics item was refused because the buffer is full."""
+    def put(self, item, replay: bool = False) -> bool:
+        """Queue an item; False if a metrics item was refused because the buffer is full.
+        replay: an item of an earlier session, read back from the journal (never refused)."""
         metered = isinstance(item, (ops.Metrics, ops.SystemMetrics))
         with self._cond:
-            if metered and self._buffered + item.size > self.max_buffered:
+            if metered and not replay and self._buffered + item.size > self.max_buffered:
                 self.dropped += item.size
                 if not self._warned_full:
                     self._warned_full = True
@@ -92,6 +100,8 @@ class Sender:
                                 "dropped until the server at %s takes the backlog",
                                 self._buffered, self.tracking_uri)
                 return False
+            if self.journal is not None and not replay:
+                self.journal.append(item)  # under the lock: the journal's order is the queue's
             self._queue.append(item)
             self._buffered += item.size if metered else 0
             self._cond.notify()
@@ -112,7 +122,7 @@ class Sender:
         with self._cond:
             self._abort = True
             unsent = sum(item.size for item in self._queue) + int(self._events_dirty)
-        if unsent:
+        if unsent and self.journal is None:  # with a journal the tracker says where they are
             log.warning("MLflow: %d item(s) could not be sent to %s before close() gave up",
                         unsent, self.tracking_uri)
         return FlushReport(self.sent, unsent, self.dropped, self.failed, self.replayed)
@@ -167,6 +177,12 @@ class Sender:
         if isinstance(head, ops.Artifact):
             self._send_artifact(client, state, head)
             self._pop(1)
+        elif isinstance(head, ops.Model):
+            send_model(client, state, head, self._record_model)
+            self._pop(1)
+        elif isinstance(head, ops.Dataset):
+            send_dataset(client, state, head)
+            self._pop(1)
         elif isinstance(head, ops.Terminate):
             client.set_terminated(state.run_id, head.status, head.end_time)
             self._pop(1)
@@ -188,8 +204,10 @@ class Sender:
             client.log_artifacts(state.run_id, item.local_path, item.artifact_path)
         else:
             client.log_artifact(state.run_id, item.local_path, item.artifact_path)
-        if item.staged:
-            shutil.rmtree(os.path.dirname(item.local_path), ignore_errors=True)
+
+    def _record_model(self, seq: int, model_id: str) -> None:
+        if self.journal is not None:
+            self.journal.record_model(seq, model_id)
 
     def _upload_events(self, client: MlflowClient, state: RunState) -> None:
         path = os.path.join(self.staging_dir, EVENTS_FILE)
@@ -201,11 +219,22 @@ class Sender:
     def _pop(self, n: int) -> None:
         with self._cond:
             self._solo = max(0, self._solo - n)
-            for _ in range(n):
-                item = self._queue.popleft()
+            done = [self._queue.popleft() for _ in range(n)]
+            for item in done:
                 self.sent += item.size
                 if isinstance(item, (ops.Metrics, ops.SystemMetrics)):
                     self._buffered -= item.size
+        self._done(done)
+
+    def _done(self, items: List) -> None:
+        """The items left the queue for good: acknowledge them, then drop our staged copies
+        (in that order: a crash in between leaves a copy, never an item without its file)."""
+        if self.journal is not None and items[-1].seq:
+            ended = items[-1].status if isinstance(items[-1], ops.Terminate) else None
+            self.journal.ack(items[-1].seq, ended, self.state.run_id if self.state else None)
+        for item in items:
+            if isinstance(item, ops.Model) or (isinstance(item, ops.Artifact) and item.staged):
+                shutil.rmtree(os.path.dirname(item.local_path), ignore_errors=True)
 
     # ---- outages and refusals ----------------------------------------------------------------
     def _went_down(self, exc: BaseException) -> None:
@@ -243,6 +272,7 @@ class Sender:
                 self._solo = max(0, self._solo - 1)
                 if isinstance(item, (ops.Metrics, ops.SystemMetrics)):
                     self._buffered -= item.size
+            self._done([item])
         self.failed += dropped
         self._errors_logged += 1
         if self._errors_logged <= _MAX_ERRORS_LOGGED:

@@ -9,6 +9,12 @@
 
 Every call only queues (see sender.py): the tracking server may be down at start, go away and
 come back; training never waits for it and nothing queued is lost unless close() runs out of time.
+
+With spool_dir (the LM job passes <run folder>/mlflow) every item is also journaled on disk as it
+is queued (journal.py): what MLflow has not acknowledged when close() gives up, or when the driver
+is killed, is sent first by the next RunTracker of the run on that spool, or by
+`hybrid-ray mlflow sync <run folder>` (sync.py), which also ends the run with the status close()
+recorded (KILLED if the writer died without one).
 """
 from __future__ import annotations
 
@@ -21,9 +27,12 @@ import shutil
 import sys
 import tempfile
 import time
+import dataclasses
 from typing import Any, Dict, Mapping, Optional
 
 from . import ops
+from .journal import STAGED, Journal, release_lock, sync_command, take_lock
+from .outputs import dataset_item
 from .run import RUN_NAME_TAG
 from .sender import FlushReport, Sender
 from .system import SystemMonitor
@@ -55,33 +64,52 @@ class RunTracker:
     def __init__(self, run_name: str, experiment: str = "hybrid_ray",
                  tracking_uri: Optional[str] = None, params: Any = None,
                  tags: Optional[Mapping[str, Any]] = None, *, max_buffered: int = 500_000,
-                 max_backoff_s: float = 30.0, http_timeout_s: int = 20):
+                 max_backoff_s: float = 30.0, http_timeout_s: int = 20,
+                 spool_dir: Optional[str] = None):
         """run_name: the job's name; a run tagged with it in `experiment` is continued.
         tracking_uri: default MLFLOW_TRACKING_URI, else sqlite:///mlflow.db in the working dir.
         params: logged at once (a Config, dataclass or nested mapping; see log_params).
         max_buffered: metric values held during an outage; newer ones are dropped beyond it.
         max_backoff_s: longest pause between reconnection attempts.
-        http_timeout_s: MLFLOW_HTTP_REQUEST_TIMEOUT unless already set."""
+        http_timeout_s: MLFLOW_HTTP_REQUEST_TIMEOUT unless already set.
+        spool_dir: a local folder for the journal (see the module docstring); items an earlier
+        tracker of this run left there unsent are sent first. JournalError if a live process
+        is writing it."""
         if not run_name or "'" in run_name or "`" in run_name:
             raise ValueError(f"RunTracker: run_name: invalid; got {run_name!r}; allowed: a "
                              "non-empty name without quotes or backticks (it is searched for)")
         self.run_name, self.experiment = run_name, experiment
         self.tracking_uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
         _client_defaults(http_timeout_s)
-        self._staging = tempfile.mkdtemp(prefix="hybrid_ray-mlflow-")
-        self._seq = 0
+        self.spool_dir = os.path.abspath(spool_dir) if spool_dir else None
+        journal, replay = self._open_spool()
+        self._staging = (os.path.join(self.spool_dir, STAGED) if journal
+                         else tempfile.mkdtemp(prefix="hybrid_ray-mlflow-"))
         self._last_step = 0
         self._system: Optional[SystemMonitor] = None
         self._remote_samples: Dict[str, int] = {}  # per source: system samples logged for it
         self._closed: Optional[FlushReport] = None
         self._warned_closed = False
         self._sender = Sender(self.tracking_uri, experiment, run_name, self._staging,
-                              max_buffered, max_backoff_s)
+                              max_buffered, max_backoff_s, journal)
+        for item in replay:  # an earlier session's unsent items go first, in their order
+            self._sender.put(item, replay=True)
         if tags:  # queued rather than given to create_run: a resumed run gets them too
             self.set_tags(tags)
         if params is not None:
             self.log_params(params)
         atexit.register(self._at_exit)  # a driver that never calls close() still flushes
+
+    def _open_spool(self) -> tuple:
+        if self.spool_dir is None:
+            return None, []
+        take_lock(self.spool_dir)
+        journal = Journal.read(self.spool_dir)
+        replay = journal.start(self.tracking_uri, self.experiment, self.run_name)
+        if replay:
+            log.info("MLflow: %d item(s) left unsent in %s by an earlier session are sent first",
+                     len(replay), self.spool_dir)
+        return journal, replay
 
     # ---- the run ------------------------------------------------------------------------------
     @property
@@ -99,12 +127,11 @@ class RunTracker:
     def where(self) -> str:
         """One line: which run this is and how to look at it."""
         if self.run_id is None:
+            if self.spool_dir is not None:
+                return (f"MLflow: run {self.run_name!r} not recorded yet: {self.tracking_uri} was "
+                        f"never reached; its records are spooled: `{sync_command(self.spool_dir)}`")
             return f"MLflow: run {self.run_name!r} was not recorded: {self.tracking_uri} was never reached"
-        path = f"#/experiments/{self.experiment_id}/runs/{self.run_id}"
-        if self.tracking_uri.startswith(("http://", "https://")):
-            return f"MLflow: run {self.run_id} ({self.run_name}): {self.tracking_uri.rstrip('/')}/{path}"
-        return (f"MLflow: run {self.run_id} ({self.run_name}) in {self.tracking_uri}: "
-                f"`mlflow ui --backend-store-uri {self.tracking_uri}`, then http://127.0.0.1:5000/{path}")
+        return "MLflow: " + describe_run(self.tracking_uri, self.experiment_id, self.run_id, self.run_name)
 
     @property
     def resumed(self) -> Optional[bool]:
@@ -197,6 +224,42 @@ class RunTracker:
             f.write(text)
         self._put(ops.Artifact(target, os.path.dirname(name) or None, staged=True))
 
+    # ---- model and data ---------------------------------------------------------------------------
+    def log_model(self, model: Any, name: str = "model", step: Optional[int] = None,
+                  **save_kwargs: Any) -> None:
+        """Save `model` (a torch.nn.Module) now with MLflow's PyTorch flavour and queue it as an
+        MLflow LoggedModel of this run, output at `step` (default: the last step logged); load
+        it back with mlflow.pytorch.load_model("models:/<id>"). save_kwargs go to
+        mlflow.pytorch.save_model; pip requirements default to the flavour's own (torch,
+        cloudpickle), which spares MLflow's slow requirement inference. Without an
+        input_example the model is pickled (loading it imports its class, e.g. hybrid_ray's
+        GPT); with one, MLflow's default applies (pt2: torch.export, traced at that shape)."""
+        import mlflow.pytorch
+
+        # MLflow warns on every save that pickle is unsafe and that torch's "+cpu" label was left
+        # out of the pin: choices made here on purpose, not news for the job log.
+        quiet = [logging.getLogger(n) for n in ("mlflow.pytorch", "mlflow.utils.requirements_utils")]
+        levels = [q.level for q in quiet]
+        for q in quiet:
+            q.setLevel(logging.ERROR)
+        try:
+            save_kwargs.setdefault("pip_requirements", mlflow.pytorch.get_default_pip_requirements())
+            if save_kwargs.get("input_example") is None:
+                save_kwargs.setdefault("serialization_format", "pickle")
+            target = os.path.join(self._stage_dir(), key(name))
+            mlflow.pytorch.save_model(model, target, **save_kwargs)
+        finally:
+            for q, level in zip(quiet, levels):
+                q.setLevel(level)
+        self._put(ops.Model(target, name, self._last_step if step is None else int(step)))
+
+    def log_dataset(self, name: str, source: str, digest: str, profile: Optional[Mapping] = None,
+                    context: str = "training") -> None:
+        """Log the dataset at `source` (path or URI) as the run's input: `digest` names its
+        version (same data, same digest), `profile` a few numbers about it (e.g. token counts)."""
+        text = json.dumps(dict(profile), sort_keys=True) if profile else None
+        self._put(dataset_item(name, source, digest, text, context))
+
     def _put(self, item: object) -> bool:
         if self._closed is not None:  # after close() nothing would send it
             if not self._warned_closed:
@@ -206,10 +269,9 @@ class RunTracker:
         return self._sender.put(item)
 
     def _stage_dir(self) -> str:
-        self._seq += 1  # one directory per item: two uploads of one name never share a file
-        path = os.path.join(self._staging, f"{self._seq:06d}")
-        os.makedirs(path)
-        return path
+        # One directory per item: two uploads of one name never share a file, nor do two
+        # sessions on one spool.
+        return tempfile.mkdtemp(prefix="item-", dir=self._staging)
 
     # ---- system metrics and the end ---------------------------------------------------------------
     def system_metrics(self, enabled: bool = True, interval_s: float = 10.0,
@@ -244,8 +306,17 @@ class RunTracker:
         self.system_metrics(False)
         self._put(ops.Terminate(status, _now_ms()))
         self._closed = self._sender.close(timeout_s)
-        if self._closed.unsent == 0:
-            shutil.rmtree(self._staging, ignore_errors=True)
+        if self.spool_dir is None:
+            if self._closed.unsent == 0:
+                shutil.rmtree(self._staging, ignore_errors=True)
+            return self._closed
+        self._sender.journal.close()
+        release_lock(self.spool_dir)
+        if self._closed.unsent:
+            log.warning("MLflow: %s not reached in time; %d item(s) and the run's end (%s) are spooled in "
+                        "%s: send them with `%s`", self.tracking_uri, self._closed.unsent, status,
+                        self.spool_dir, sync_command(self.spool_dir))
+            self._closed = dataclasses.replace(self._closed, spooled_in=self.spool_dir)
         return self._closed
 
     def _at_exit(self) -> None:
@@ -258,6 +329,15 @@ class RunTracker:
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         self.close("FAILED" if exc_type is not None else "FINISHED")
+
+
+def describe_run(tracking_uri: str, experiment_id: str, run_id: str, run_name: str) -> str:
+    """'run ID (NAME): URL', or how to open a local store's UI at it."""
+    path = f"#/experiments/{experiment_id}/runs/{run_id}"
+    if tracking_uri.startswith(("http://", "https://")):
+        return f"run {run_id} ({run_name}): {tracking_uri.rstrip('/')}/{path}"
+    return (f"run {run_id} ({run_name}) in {tracking_uri}: "
+            f"`mlflow ui --backend-store-uri {tracking_uri}`, then http://127.0.0.1:5000/{path}")
 
 
 def classify(text: str) -> str:

@@ -30,7 +30,7 @@ ALLOWED: Dict[str, Set[str]] = {
     "tracking": {"config"},
     "cluster": {"config", "engine", "tracking"},
     "lm": {"", "config", "engine", "data", "models", "profiling", "tracking", "cluster"},
-    "": {"config", "engine", "data", "profiling", "lm", "models"},
+    "": {"config", "engine", "data", "profiling", "lm", "models", "tracking"},
 }
 # Third-party packages only one part of hybrid_ray may import.
 OWNERS = {"ray": "cluster", "mlflow": "tracking"}

@@ -59,3 +59,43 @@ def test_replayed_steps_are_routed_once():
     assert logged[4][1]["train/loss"] == 1.0 / 5  # the first arrival wins, under its MLflow name
     assert [args[0]["step"] for name, args in progress.calls if name == "record"] == [1, 2, 3, 4, 5, 6, 7, 8, 8]
     assert ("log_params", ({"n": 1},)) in tracker.calls
+
+
+def test_the_exported_lm_is_a_logged_model(tmp_path, monkeypatch):
+    import mlflow
+    import torch
+
+    from hybrid_ray.engine import Engine
+    from hybrid_ray.lm.job import load_job
+    from hybrid_ray.lm.setup import build_model
+    from tests.unit.test_checkpoint import CFG
+    from tests.unit.test_lm_job import tiny_job
+
+    monkeypatch.chdir(tmp_path)
+    run_dir = tmp_path / "run"
+    job = load_job(tiny_job(tmp_path / "data", run_dir))
+    gpt = build_model(job, 60, seed=1)  # vocabulary rounded up to model.vocab_multiple
+    Engine(gpt, CFG).save_checkpoint(str(run_dir / "checkpoints"))
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    tracker = RunTracker("lm-model", tracking_uri=uri, spool_dir=str(run_dir / "mlflow"))
+    value = SimpleNamespace(val_loss=1.5, unigram_nats=2.5, steps=3, sample="")
+    finish_tracking(tracker, str(run_dir), str(run_dir / "checkpoints"), value, 0, [1], job=job)
+    run = MlflowClient(uri).get_run(tracker.run_id)
+    (output,) = run.outputs.model_outputs
+    assert output.step == 3 and (run_dir / "model" / "model.safetensors").is_file()
+    loaded = mlflow.pytorch.load_model(f"models:/{output.model_id}")
+    idx = torch.randint(0, 60, (2, 8))
+    assert torch.allclose(loaded(idx), gpt.eval()(idx))
+
+
+def test_spool_dir_and_source_commit(tmp_path):
+    import subprocess
+    from hybrid_ray.lm.router import spool_dir
+    from hybrid_ray.tracking.outputs import source_tags
+
+    assert spool_dir("a", str(tmp_path)) == str(tmp_path / "mlflow")
+    assert spool_dir("a", "s3://bucket/runs/a").endswith("/.cache/hybrid_ray/mlflow-spool/a")
+    head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    assert source_tags()["mlflow.source.git.commit"] == head  # this checkout
+    assert source_tags(str(tmp_path)) == {}  # not a checkout (Ray's copy of the working dir): no tag

@@ -134,9 +134,15 @@ def test_a_run_name_with_mlflow_progress_but_no_checkpoint_is_refused_unless_res
     msg = str(err.value)
     assert f"MLflow run {old} of this name is at step 40" in msg and "--restart" in msg
     assert "\n" not in msg
+    spool = tmp_path / "runs" / "tiny" / "mlflow"  # what the old run left unsent
+    spool.mkdir(parents=True)
+    (spool / "journal.jsonl").write_text("{}\n")
     said = []
     assert starting_step(_job(tmp_path), "tiny", resuming=True, restart=True, say=said.append) == 0
-    assert "is kept as tiny.replaced-" in said[0] and said[1].startswith("run tiny: starting from step 0")
+    assert "is kept as tiny.replaced-" in said[0] and said[2].startswith("run tiny: starting from step 0")
+    assert not spool.exists() and "unsent MLflow records are kept in" in said[1]
+    [aside] = (tmp_path / "runs" / "tiny").glob("mlflow.replaced-*")
+    assert (aside / "journal.jsonl").read_text() == "{}\n"
     renamed = client.get_run(old)
     assert renamed.data.tags[RUN_NAME_TAG].startswith("tiny.replaced-")
     assert renamed.info.status == "KILLED"
