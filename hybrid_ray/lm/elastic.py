@@ -23,6 +23,7 @@ from hybrid_ray.config import ConfigError
 from hybrid_ray.config.cluster import FailureConfig, ScalingConfig
 from hybrid_ray.data import ensure_prepared
 from hybrid_ray.lm.job import Job, console_interval, for_world, load_job
+from hybrid_ray.lm.loop import not_learned
 from hybrid_ray.lm.metric_names import MetricNames
 from hybrid_ray.lm.placement import place
 from hybrid_ray.lm.resubmit import starting_step
@@ -108,8 +109,7 @@ def run_elastic(raw: Mapping[str, Any], min_workers: int, max_workers: int,
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_FAILED
     progress.close()
-    _finish(tracker, job, result)
-    return EXIT_OK  # rank 0 printed the sample itself (its output reaches this driver)
+    return _finish(tracker, job, result)  # rank 0 printed the sample (its output reaches here)
 
 
 def _router(send: Callable[[dict], None], tracker: RunTracker, progress: ProgressReporter,
@@ -124,10 +124,16 @@ def _router(send: Callable[[dict], None], tracker: RunTracker, progress: Progres
     return router
 
 
-def _finish(tracker: RunTracker, job: Job, result: Result) -> None:
+def _finish(tracker: RunTracker, job: Job, result: Result) -> int:
+    """Record the finished run (FAILED when it did not learn) and say how it ended."""
     r = result.value
+    problem = not_learned(job, r)
     finish_tracking(tracker, job.train.out_dir, checkpoint_dir(job), r, result.failures,
-                    result.world_sizes, job=job)
+                    result.world_sizes, job=job, status="FAILED" if problem else "FINISHED")
     print(f"done: {r.steps} steps, val loss {r.val_loss:.4f} nats/token against a unigram baseline "
           f"of {r.unigram_nats:.4f}; {result.failures} failure(s), world sizes {result.world_sizes}")
     print(tracker.where(), flush=True)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr, flush=True)
+        return EXIT_FAILED
+    return EXIT_OK

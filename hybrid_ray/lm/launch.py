@@ -182,15 +182,19 @@ def run_worker(job: Job, resume: bool = False) -> int:
 
 
 def _train_rank(job: Job, resume: bool, rank: str, world: int, tracker: Any, router: Any) -> int:
-    from hybrid_ray.lm.loop import train  # torch-heavy: not needed to validate or re-launch
+    from hybrid_ray.lm.loop import DidNotLearnError, not_learned, train  # torch-heavy
     from hybrid_ray.lm.router import finish_tracking
     from hybrid_ray.lm.setup import RunContext, checkpoint_dir
 
     try:
         result = train(job, RunContext(resume=resume, report=router))
+        problem = not_learned(job, result)
         if tracker is not None:
-            finish_tracking(tracker, job.train.out_dir, checkpoint_dir(job), result, 0, [world], job=job)
+            finish_tracking(tracker, job.train.out_dir, checkpoint_dir(job), result, 0, [world],
+                            job=job, status="FAILED" if problem else "FINISHED")
             print(tracker.where(), flush=True)
+        if problem:
+            raise DidNotLearnError(problem)
         return 0
     except Exception as exc:  # noqa: BLE001 - every failure must end in a message and exit 1
         if tracker is not None:  # record how the run ended: torchrun waits before it SIGKILLs

@@ -113,8 +113,8 @@ class Untracked:
 
 
 def open_tracker(name: str, job: Job, config: Any, params: Mapping[str, Any]) -> Any:
-    """The run's MLflow record (the job's tracking.uri, else MLFLOW_TRACKING_URI, else
-    sqlite:///mlflow.db here): the job file as params and as config.json, the launch's own
+    """The run's MLflow record (the job's tracking.uri, which placement.py sets to the embedded
+    store beside the run folders when nothing else names one, else MLFLOW_TRACKING_URI): the job file as params and as config.json, the launch's own
     `params` (the worker range, the process count), system metrics of this host, the dataset
     as the run's input and the source commit as tags. Records are spooled in
     <out_dir>/mlflow (spool_dir) until MLflow has them. Untracked when the job's
@@ -149,7 +149,8 @@ def log_dataset(tracker: Any, job: Job) -> None:
 
 
 def finish_tracking(tracker: RunTracker, out_dir: Optional[str], checkpoints: Optional[str],
-                    r: Any, failures: int, world_sizes: List[int], job: Optional[Job] = None) -> None:
+                    r: Any, failures: int, world_sizes: List[int], job: Optional[Job] = None,
+                    status: str = "FINISHED") -> None:
     """Final numbers (r: the run's RunResult), where the checkpoints are, the exported model;
     then close the run.
 
@@ -165,7 +166,7 @@ def finish_tracking(tracker: RunTracker, out_dir: Optional[str], checkpoints: Op
     if r.sample:
         tracker.log_text(r.sample, "sample.txt")
     if out_dir is None or checkpoints is None:  # no run folder: nothing to export
-        _close(tracker)
+        _close(tracker, status)
         return
     if job is not None:
         log_dataset(tracker, job)  # MLflow keeps one input per dataset: a second call is a no-op
@@ -179,7 +180,7 @@ def finish_tracking(tracker: RunTracker, out_dir: Optional[str], checkpoints: Op
                 tracker.log_model(_gpt(job, state), "model", step=r.steps)
         except Exception as exc:  # noqa: BLE001 - a missing export must not fail a finished run
             print(f"warning: model export for MLflow failed: {exc}", file=sys.stderr)
-        _close(tracker)
+        _close(tracker, status)
 
 
 def _gpt(job: Job, state: Mapping[str, Any]) -> Any:

@@ -117,3 +117,49 @@ def test_server_down_mid_run_loses_no_metric(ray_session, server, data, tmp_path
     assert any(k.startswith("system/") for k in run.data.metrics)
     warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warned) == 1 and "unreachable" in warned[0], warned  # the outage was seen, once
+
+
+def test_server_down_at_the_end_is_completed_by_mlflow_sync(ray_session, server, data, tmp_path,
+                                                            monkeypatch):
+    """The server dies mid-run and stays down past the end: the job finishes (training never
+    waits for MLflow), the unsent records wait in <run folder>/mlflow, and `hybrid-ray mlflow
+    sync RUN_DIR` after the server is back sends them: every step once, the model, FINISHED."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    out, steps = tmp_path / "lm-late", 24
+    raw = job(data, out, steps=steps)
+    raw["tracking"] = {"uri": server.uri, "experiment": "lm-late-exp"}
+    raw["engine"]["steps_per_print"] = 1
+    box = {}
+    t = threading.Thread(target=lambda: box.setdefault("code", run_elastic(raw, 2, 2)))
+    t.start()
+    deadline = time.monotonic() + 300
+    while len(_steps_logged(out)) < 3:
+        assert time.monotonic() < deadline and t.is_alive()
+        time.sleep(0.1)
+    server.kill()
+    t.join(400)
+    assert box["code"] == 0 and not t.is_alive()
+    assert (out / "mlflow" / "journal.jsonl").exists()
+    server.start()
+    root = Path(__file__).resolve().parents[2]
+    sync = subprocess.run([sys.executable, "-m", "hybrid_ray.cli", "mlflow", "sync", str(out)],
+                          capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONPATH=str(root)))
+    assert sync.returncode == 0, sync.stdout + sync.stderr
+    client = MlflowClient(server.uri)
+    exp = client.get_experiment_by_name("lm-late-exp")
+    [run] = client.search_runs([exp.experiment_id], "tags.`hybrid_ray.run_name` = 'lm-late'")
+    assert run.info.status == "FINISHED"
+    history = client.get_metric_history(run.info.run_id, "train/loss")
+    assert sorted(m.step for m in history) == list(range(1, steps + 1))  # each step once
+    assert client.get_metric_history(run.info.run_id, "final/val_loss")
+    models = client.search_logged_models([exp.experiment_id])
+    assert [m.source_run_id for m in models] == [run.info.run_id]
+    again = subprocess.run([sys.executable, "-m", "hybrid_ray.cli", "mlflow", "sync", str(out)],
+                           capture_output=True, text=True, timeout=120,
+                           env=dict(os.environ, PYTHONPATH=str(root)))
+    assert again.returncode == 0 and "nothing to send" in again.stdout, again.stdout + again.stderr

@@ -109,3 +109,20 @@ def test_resubmitted_job_resumes_after_the_driver_is_lost(data, tmp_path):
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     assert "resume: " in second.stdout, second.stdout[-3000:]
     assert "done: 24 steps" in second.stdout
+
+
+def test_a_run_that_did_not_learn_fails_once_and_is_recorded_failed(data, tmp_path, capsys):
+    """The baseline check is the driver's, after the run is recorded: the workers are not
+    restarted to evaluate the same weights again, and the MLflow run ends FAILED."""
+    from mlflow import MlflowClient
+
+    from hybrid_ray.lm.elastic import run_elastic
+    raw = job(data, tmp_path / "lazy", steps=1)
+    raw["train"].update(require_below_baseline=True, eval_interval=1, save_interval=1)
+    assert run_elastic(raw, 2, 2, max_failures=2) == 1
+    out = capsys.readouterr()
+    assert "error: final val loss" in out.err and "not below the unigram baseline" in out.err
+    assert "done: 1 steps" in out.out and "0 failure(s)" in out.out, out.out[-2000:]
+    client = MlflowClient(os.environ["MLFLOW_TRACKING_URI"])
+    [run] = client.search_runs([client.get_experiment_by_name("hybrid_ray").experiment_id])
+    assert run.info.status == "FAILED"
