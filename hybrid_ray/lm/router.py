@@ -174,7 +174,8 @@ def finish_tracking(tracker: RunTracker, out_dir: Optional[str], checkpoints: Op
         try:
             out = os.path.join(folder, "model.safetensors")
             tag, state = export(checkpoints, out)
-            tracker.log_artifact(out, "model")
+            # "weights/": a run's "model/" is where MLflow lists the logged model's own files.
+            tracker.log_artifact(out, "weights")
             tracker.set_tags({"exported_checkpoint": tag})
             if job is not None:
                 tracker.log_model(_gpt(job, state), "model", step=r.steps)

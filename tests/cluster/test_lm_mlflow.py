@@ -61,7 +61,9 @@ def test_killed_worker_leaves_one_mlflow_run_with_every_step_once(ray_session, s
     assert client.get_metric_history(run.info.run_id, "final/val_loss")
     assert [m.value for m in client.get_metric_history(run.info.run_id, "elastic/world_size")][0] == 2
     files = {f.path for f in client.list_artifacts(run.info.run_id)}
-    assert {"config.json", "events.log", "model", "reports"} <= files, files
+    assert {"config.json", "events.log", "weights", "reports"} <= files, files
+    models = client.search_logged_models([exp.experiment_id])  # the exported GPT, once
+    assert [(m.name, m.source_run_id) for m in models] == [("model", run.info.run_id)], models
     assert [f.path for f in client.list_artifacts(run.info.run_id, "reports")] == ["reports/flops.txt"]
     events = client.download_artifacts(run.info.run_id, "events.log", str(tmp_path))
     text = open(events).read()

@@ -222,3 +222,48 @@ def test_logged_model_loads_back_and_registers(up, tmp_path, monkeypatch):
     assert output.model_id in client.get_model_version("spool-test-net", version.version).source
     registered = mlflow.pytorch.load_model(f"models:/spool-test-net/{version.version}")
     assert torch.equal(registered(x), net(x))
+
+
+STREAM = textwrap.dedent("""
+    import sys
+    from hybrid_ray.tracking import RunTracker
+    uri, spool, name = sys.argv[1], sys.argv[2], sys.argv[3]
+    t = RunTracker(name, experiment="spool-test", tracking_uri=uri, spool_dir=spool)
+    for step in range(1, 100001):
+        t.log_metrics({"loss": 1.0 / step, "lr": 0.5}, step)
+        if step % 25 == 0:
+            t.log_text(f"step {step}", f"notes/at{step}.txt")
+        print(step, flush=True)  # after log_metrics returned: the step is the tracker's
+""")
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_a_driver_killed_at_a_random_moment_loses_no_step_and_duplicates_none(up, tmp_path, seed):
+    """SIGKILL while the sender is busy (a batch in flight, an artifact uploading, the ack file
+    being replaced), at a seeded random moment: sync then completes the run with every step the
+    tracker took exactly once, and the run ends KILLED."""
+    import random
+    name, run_dir = f"stream-{seed}", tmp_path / "run"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    child = subprocess.Popen([sys.executable, "-c", STREAM, up.uri, str(run_dir / "mlflow"), name],
+                             stdout=subprocess.PIPE, text=True, env=env)
+    target = random.Random(seed).randint(30, 400)
+    taken = 0
+    for line in child.stdout:
+        taken = int(line)
+        if taken >= target:
+            break
+    child.send_signal(signal.SIGKILL)
+    child.wait(10)
+    taken = max([taken] + [int(x) for x in child.stdout.read().split()])  # printed before the kill
+    out = _sync_cli(run_dir)
+    assert out.returncode == 0, out.stdout + out.stderr
+    client = MlflowClient(up.uri)
+    run = _run(client, name)
+    assert run.info.status == "KILLED"
+    history = client.get_metric_history(run.info.run_id, "loss")
+    steps = sorted(m.step for m in history)
+    assert steps[:taken] == list(range(1, taken + 1)), (taken, steps[:10])  # none lost
+    assert len(steps) == len(set(steps)), "a step twice"  # none duplicated
+    notes = {f.path for f in client.list_artifacts(run.info.run_id, "notes")}
+    assert {f"notes/at{s}.txt" for s in range(25, taken + 1, 25)} <= notes

@@ -26,7 +26,9 @@ def run_job(tmp_path: Path, job: dict, *flags: str) -> subprocess.CompletedProce
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
 
 
-def test_two_ranks_train_then_resume_on_one(tmp_path):
+def test_two_ranks_train_then_resume_on_one(tmp_path, monkeypatch):
+    # MLflow resolves a run's model artifacts through the process's tracking URI, not the client's.
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
     # ZeRO-3: every forward all-gathers, so evaluation (17 windows: 9 and 8 per rank) and
     # sampling must keep the ranks' forward calls in step.
     job = tiny_job(tmp_path / "data", tmp_path / "run", steps=20, save_interval=10, eval_interval=10,
@@ -57,7 +59,11 @@ def test_two_ranks_train_then_resume_on_one(tmp_path):
     run = runs[0].info.run_id
     assert [m.step for m in client.get_metric_history(run, "train/loss")] == [10, 20, 30]
     assert runs[0].data.tags["hybrid_ray.sessions"] == "2" and runs[0].data.params["launch.nproc"] == "2"
-    assert [f.path for f in client.list_artifacts(run, "model")] == ["model/model.safetensors"]
+    assert [f.path for f in client.list_artifacts(run, "weights")] == ["weights/model.safetensors"]
+    # Each launch that finished logged its model: the first at step 20, the resumed one at 30.
+    models = client.search_logged_models([runs[0].info.experiment_id])
+    assert sorted(m.name for m in models) == ["model", "model"], models
+    assert {m.source_run_id for m in models} == {run}
     assert f"MLflow: run {run} (run)" in proc.stdout
 
 

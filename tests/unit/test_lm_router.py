@@ -27,7 +27,7 @@ def test_the_exported_model_is_uploaded_from_the_run_folder(tmp_path, monkeypatc
     finish_tracking(tracker, str(run_dir), str(run_dir / "checkpoints"), value, 0, [1])
     client = MlflowClient(uri)
     run = client.get_run(tracker.run_id)
-    assert [f.path for f in client.list_artifacts(run.info.run_id, "model")] == ["model/model.safetensors"]
+    assert [f.path for f in client.list_artifacts(run.info.run_id, "weights")] == ["weights/model.safetensors"]
     assert run.info.status == "FINISHED" and run.data.tags["exported_checkpoint"].endswith("global_step2")
     assert (run_dir / "model" / "model.safetensors").is_file()  # kept beside the checkpoints
     exp = client.get_experiment(run.info.experiment_id)  # opens in MLflow 3's model-training view
