@@ -69,7 +69,8 @@ def run_elastic(raw: Mapping[str, Any], min_workers: int, max_workers: int,
     try:
         raw, job, scaling, failure = validated(raw, min_workers, max_workers, run_name,
                                                max_failures, use_gpu, storage)
-        starting_step(job, posixpath.basename(job.train.out_dir), resuming=True, restart=restart)
+        storage, name = posixpath.split(job.train.out_dir)
+        starting_step(job, name, resuming=True, restart=restart)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_CONFIG
@@ -79,7 +80,6 @@ def run_elastic(raw: Mapping[str, Any], min_workers: int, max_workers: int,
     connect(address)
     if use_gpu is None:  # the cluster decides: GPU workers where it has GPUs
         scaling = dataclasses.replace(scaling, use_gpu=cluster_has_gpus())
-    storage, name = posixpath.split(job.train.out_dir)
     tracker = open_tracker(name, job, raw, {"scaling.min_workers": scaling.min_workers,
                                             "scaling.max_workers": scaling.max_workers,
                                             "scaling.use_gpu": scaling.use_gpu})

@@ -3,11 +3,10 @@ found no checkpoint must not silently log a run from step 0 over one that has pr
 from __future__ import annotations
 
 import datetime
-import os
 from dataclasses import dataclass
 from typing import Optional
 
-from .run import RUN_NAME_TAG, SYSTEM_PREFIX
+from .run import RUN_NAME_TAG, SYSTEM_PREFIX, find_runs
 
 
 @dataclass(frozen=True)
@@ -25,18 +24,15 @@ def prior_run(tracking_uri: str, experiment: str, run_name: str,
     """The run named run_name in experiment, or None. Raises the client's error when the
     store cannot be reached (the caller decides whether to go on)."""
     from mlflow import MlflowClient
-    from mlflow.entities import ViewType
 
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(timeout_s))
+    from .tracker import _client_defaults
+
+    _client_defaults(timeout_s)
     client = MlflowClient(tracking_uri)
     exp = client.get_experiment_by_name(experiment)
     if exp is None:
         return None
-    found = client.search_runs([exp.experiment_id],
-                               filter_string=f"tags.`{RUN_NAME_TAG}` = '{run_name}'",
-                               run_view_type=ViewType.ACTIVE_ONLY, max_results=1,
-                               order_by=["attributes.start_time ASC"])
+    found = find_runs(client, exp.experiment_id, run_name, max_results=1)
     if not found:
         return None
     run = found[0]

@@ -69,14 +69,20 @@ def experiment_id(client: MlflowClient, name: str, artifact_location: Optional[s
     return exp.experiment_id
 
 
+def find_runs(client: MlflowClient, exp_id: str, run_name: str, max_results: int = 5) -> list:
+    """The active runs tagged with run_name in the experiment, oldest first (the first is the
+    run's, should two drivers ever have raced to create it)."""
+    return client.search_runs([exp_id], filter_string=f"tags.`{RUN_NAME_TAG}` = '{run_name}'",
+                              run_view_type=ViewType.ACTIVE_ONLY, max_results=max_results,
+                              order_by=["attributes.start_time ASC"])
+
+
 def open_run(client: MlflowClient, experiment: str, run_name: str,
              artifact_location: Optional[str] = None) -> RunState:
     """Continue the run named `run_name` in `experiment`, or create it (and the experiment,
     with its artifacts at `artifact_location`)."""
     exp_id = experiment_id(client, experiment, artifact_location)
-    found = client.search_runs([exp_id], filter_string=f"tags.`{RUN_NAME_TAG}` = '{run_name}'",
-                               run_view_type=ViewType.ACTIVE_ONLY, max_results=5,
-                               order_by=["attributes.start_time ASC"])
+    found = find_runs(client, exp_id, run_name)
     if not found:
         run = client.create_run(exp_id, run_name=run_name,
                                 tags={RUN_NAME_TAG: run_name, SESSIONS_TAG: "1"})

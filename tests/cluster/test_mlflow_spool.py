@@ -24,18 +24,10 @@ from mlflow import MlflowClient
 
 from hybrid_ray.tracking import RunTracker
 from hybrid_ray.tracking.sync import ENDED_BY_TAG, sync
-from tests.cluster.test_mlflow_tracker import Server, _wait_sent
+from tests.cluster.test_mlflow_tracker import Server, _wait_sent, server  # noqa: F401 - server: a fixture
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    srv = Server(tmp_path_factory.mktemp("mlflow-spool"))
-    srv.start()
-    yield srv
-    srv.stop()
 
 
 @pytest.fixture
