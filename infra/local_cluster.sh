@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A local Ray cluster (one head node) and an MLflow tracking server for development and tests.
-# The dashboard/job API and MLflow listen on 127.0.0.1 only; Ray's own GCS, raylet and agent
-# ports listen on all interfaces whatever --node-ip-address says (infra/README.md, section 1).
+# Everything listens on 127.0.0.1 only: the dashboard/job API, MLflow, and Ray's GCS, raylet,
+# object manager and agent (infra/README.md says how Ray is kept there).
 #
 #   infra/local_cluster.sh start    start both, wait until both answer, print the submit command
 #   infra/local_cluster.sh stop     stop both (safe to run again, or when nothing runs)
@@ -243,6 +243,10 @@ print("dashboard-missing" if d() else "dashboard-ok", "client-missing" if c() el
     export PATH="${BIN%/}:$PATH"
     [ -f "${BIN}activate" ] && export VIRTUAL_ENV=$(cd "$BIN/.." && pwd)
   fi
+  # Without it Ray swaps --node-ip-address 127.0.0.1 for the host's outward address and its GCS,
+  # raylet and agent listen on every interface; with it the node, its ports and every job's
+  # driver and workers stay on loopback (jobs inherit it like PATH above).
+  export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
   mkdir -p "$STATE/mlartifacts"
 
   local ray_args=(start --head --block --node-ip-address "$HOST" --port "$RAY_PORT"

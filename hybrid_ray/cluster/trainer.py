@@ -22,6 +22,7 @@ from hybrid_ray.config.paths import absolute
 
 from .controller import Controller, Result
 from .group import WorkerGroup
+from .local import start_local
 from .records import Record
 
 
@@ -69,10 +70,8 @@ def connect(address: Optional[str]) -> None:
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address, log_to_driver=True)
-    else:  # a cluster of this machine only. NB: Ray 2.60 replaces 127.0.0.1 by the host's
-        # routable address (services.resolve_ip_for_localhost) unless
-        # RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 is set: the pin below does not hold yet.
-        ray.init(log_to_driver=True, include_dashboard=False, _node_ip_address="127.0.0.1")
+    else:  # a cluster of this machine only, kept on loopback
+        start_local(log_to_driver=True, include_dashboard=False)
 
 
 def cluster_has_gpus() -> bool:

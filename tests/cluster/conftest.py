@@ -6,6 +6,7 @@ import os
 import cloudpickle
 import pytest
 
+from hybrid_ray.cluster.local import start_local
 from tests.cluster import trainfns
 
 
@@ -17,7 +18,6 @@ def ray_session():
     # by value (they live under tests/, which workers cannot import).
     cloudpickle.register_pickle_by_value(trainfns)
     # 4 logical CPUs on a 2-core machine: each worker takes 1 and trains with 1 thread.
-    ray.init(address="local", num_cpus=4, resources={"slot": 2}, include_dashboard=False,
-             _node_ip_address="127.0.0.1", log_to_driver=False)
+    start_local(num_cpus=4, resources={"slot": 2}, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()

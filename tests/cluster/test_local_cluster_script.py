@@ -19,6 +19,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.cluster.netcheck import listening_off_loopback
+
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "infra" / "local_cluster.sh"
 HOST = "127.0.0.1"
@@ -164,6 +166,9 @@ def test_start_both_answer_stop(local_cluster):
     assert f"MLFLOW_TRACKING_URI=http://{HOST}:{c.mlflow}" in env_file
 
     assert c.run("status").returncode == 0
+    pids = [pid for sid in c.sessions() for pid in session_members(sid)]
+    assert len(pids) > 4  # ray start, GCS, raylet, agents, mlflow ...
+    assert not listening_off_loopback(psutil.Process(pid) for pid in pids)
     again = c.run("start")
     assert again.returncode == 0 and "already running" in again.stdout, again.stderr
     check_stops_cleanly(c)
