@@ -50,12 +50,13 @@ def _describe(report, latest: str) -> List[str]:
     mark = "  [latest]" if report.tag == latest else ""
     if not report.committed:
         return [f"{report.tag}{mark}: NOT COMMITTED ({report.error})"]
-    lines = [f"{report.tag}{mark}: {'ok' if report.ok else 'CORRUPT'}"]
+    lines = [f"{report.tag}{mark}: {'ok' if report.ok else 'CORRUPT'}"
+             + (f" ({report.error})" if report.error else "")]
     m = report.meta
     if m:
         numel = sum(_numel(p["shape"]) for p in m.get("params", []))
-        lines.append(f"  step {m['counters']['global_steps']}, saved by {m['world_size']} rank(s) at "
-                     f"ZeRO stage {m['zero_stage']}, precision {m['precision']}, "
+        lines.append(f"  step {m['counters'].get('global_steps')}, saved by {m['world_size']} rank(s) "
+                     f"at ZeRO stage {m['zero_stage']}, precision {m.get('precision')}, "
                      f"{numel:,} trained parameters in {len(m.get('params', []))} tensors")
     total = sum(size for size, _ in report.files.values())
     lines.append(f"  {len(report.files)} files, {_size(total)}:")

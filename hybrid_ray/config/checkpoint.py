@@ -22,6 +22,10 @@ class CheckpointConfig:
     """With keep_last: also keep every checkpoint whose step is a multiple of this."""
     commit_timeout_s: float = checked(1800.0, gt=0)
     """Seconds rank 0 waits for the other ranks' files before it gives up on a commit."""
+    peer_timeout_s: float = checked(20.0, gt=0)
+    """Seconds without a heartbeat from another rank during a save before it is taken for dead
+    and the save fails on the survivors (the heartbeat runs beside the writes, so slow storage
+    does not trip it; a frozen process does)."""
     write_threads: int = checked(4, ge=1, le=64)
     """Files each rank serialises, checksums and writes at once."""
     fsync: bool = True

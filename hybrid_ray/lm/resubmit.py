@@ -23,14 +23,14 @@ def run_name(job: Job) -> str:
 
 
 def newest_step(checkpoints: Optional[str]) -> Optional[int]:
-    """The step of the newest committed checkpoint under `checkpoints`, None when there is none."""
+    """The step of the checkpoint a resume loads first (`latest`'s), None when there is none."""
     if checkpoints is None:
         return None
     fs, root = cio.filesystem(checkpoints)
     if not cio.is_dir(fs, root):
         return None
-    found = cread.committed(fs, root)
-    return found[0].step if found else None
+    first = cread.preferred(fs, root)
+    return first.step if first else None
 
 
 def starting_step(job: Job, name: str, resuming: bool, restart: bool,

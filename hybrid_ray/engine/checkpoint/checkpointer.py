@@ -8,7 +8,7 @@ Layout of one checkpoint, `<root>/<tag>/`:
                                     index, the module's state_dict keys and tied names
     params-rank00001-00000.pt       rank r, in parts of at most 1 GiB: fp32 master + per-element
                                     optimizer state ("<name>/master", "<name>/exp_avg", ...) of
-                                    the parameters a round-robin over names assigns to r
+                                    the parameters `state.owners` assigns to r (by size)
                                     (.safetensors when that package is installed)
     module-extras-00000.pt          rank 0: persistent buffers and frozen parameters
     rng-rank00001.json              rank r: its RNG states (torch, cuda, python, numpy)
@@ -29,6 +29,7 @@ saver's. RNG states are restored only at an equal world size (rank r gets rank r
 """
 from __future__ import annotations
 
+import logging
 import secrets
 import threading
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -41,6 +42,7 @@ from . import read as cread
 from . import state as cstate
 from . import storage as cio
 from . import write as cwrite
+from .liveness import Heartbeat, group_store
 from .state import TrainState
 from .storage import CheckpointError
 
@@ -75,8 +77,30 @@ def _read_state(fs, ckpt: str, rank: int) -> Tuple[dict, Tensors, Tensors, Optio
     tensor_names = [n for n in sorted(manifest["files"]) if not n.endswith(".json")]
     for name, data in cread.iter_verified(fs, ckpt, manifest, tensor_names):
         target = extras if name.startswith(cread.EXTRAS) else saved
-        target.update(cio.tensors_from_bytes(data, name))
-    return cio.json_from_bytes(small[cread.META]), saved, extras, small.get(f"rng-rank{rank:05d}.json")
+        target.update(cread.parse_tensors(data, ckpt, name))
+    meta = cread.parse_json(small[cread.META], ckpt, cread.META)
+    problem = cstate.meta_problem(meta)
+    if problem:
+        raise CheckpointError(f"checkpoint {ckpt} is corrupt: {cread.META}: {problem}")
+    rng_name = f"rng-rank{rank:05d}.json"
+    rng = small.get(rng_name)
+    if rng is not None:
+        problem = cstate.rng_problem(cread.parse_json(rng, ckpt, rng_name))
+        if problem:
+            raise CheckpointError(f"checkpoint {ckpt} is corrupt: {rng_name}: {problem}")
+    return meta, saved, extras, rng
+
+
+def _load_failure(rank: int, ckpt: str, e: Exception) -> str:
+    """One line for a load that failed past the checksums: a file that parsed but does not hold
+    what this engine needs (a missing entry, another model's shapes)."""
+    if isinstance(e, CheckpointError):
+        what = str(e)
+    elif isinstance(e, KeyError):
+        what = f"{cread.META} or a tensor file lacks the entry {e.args[0]!r} (KeyError)"
+    else:
+        what = f"{type(e).__name__}: {str(e)[:300]}"
+    return f"rank {rank}: loading {ckpt}: {what}"
 
 
 class Checkpointer:
@@ -105,15 +129,35 @@ class Checkpointer:
         dist.broadcast_object_list(box, src=0, group=self.topology.group)
         return box[0]
 
-    def _agree(self, error: Optional[str]) -> None:
-        """Raise the same CheckpointError on every rank if any rank failed (none left hanging)."""
+    def _errors(self, error: Optional[str]) -> List[str]:
+        """Every rank's error, in rank order (collective)."""
         errors = [error]
         if self._distributed():
             errors = [None] * self.topology.world_size
             dist.all_gather_object(errors, error, group=self.topology.group)
-        errors = [e for e in errors if e]
+        return [e for e in errors if e]
+
+    def _agree(self, error: Optional[str]) -> None:
+        """Raise the same CheckpointError on every rank if any rank failed (none left hanging)."""
+        errors = self._errors(error)
         if errors:
             raise CheckpointError(errors[0])
+
+    def _agree_on_tag(self, tag: Any) -> Optional[str]:
+        """Rank 0's tag on every rank, before anything is written. A tag computed per rank (say,
+        from the local loss) would otherwise send each rank's files to another directory and
+        leave the commit waiting for files that never come; a warning names who differed."""
+        tag = None if tag is None else str(tag)
+        if not self._distributed():
+            return tag
+        tags: List[Optional[str]] = [None] * self.topology.world_size
+        dist.all_gather_object(tags, tag, group=self.topology.group)
+        differ = {r: t for r, t in enumerate(tags) if t != tags[0]}
+        if differ and self.topology.rank == 0:
+            self._log(f"checkpoint tags differ between ranks: rank 0 has {tags[0]!r}, "
+                      + ", ".join(f"rank {r} {t!r}" for r, t in differ.items())
+                      + f"; every rank saves under rank 0's", logging.WARNING)
+        return tags[0]
 
     # ---- the save in flight ------------------------------------------------------------------
     @property
@@ -166,9 +210,13 @@ class Checkpointer:
         """The save's job, with its staging directory made by rank 0 (collective)."""
         topo = self.topology
         fs, root = cio.filesystem(path_or_uri)
-        job = cwrite.SaveJob(fs, root, tag, self._broadcast(secrets.token_hex(4)), topo.rank,
-                             topo.world_size, ts.counters.global_steps, ts.config.checkpoint,
-                             cancel=self.cancel_event)
+        token = self._broadcast(secrets.token_hex(4))
+        store = group_store() if topo.world_size > 1 else None
+        heartbeat = None if store is None else Heartbeat(
+            store, token, topo.rank, topo.world_size, ts.config.checkpoint.peer_timeout_s)
+        job = cwrite.SaveJob(fs, root, tag, token, topo.rank, topo.world_size,
+                             ts.counters.global_steps, ts.config.checkpoint,
+                             cancel=self.cancel_event, heartbeat=heartbeat)
         error = None
         try:
             if topo.rank == 0:
@@ -184,7 +232,7 @@ class Checkpointer:
         the path it will have once committed: `wait()` says when)."""
         client_state = check_client_state(client_state)
         ts = self._train_state()
-        tag = check_tag(tag, ts.counters.global_steps)
+        tag = check_tag(self._agree_on_tag(tag), ts.counters.global_steps)
         self._settle_previous()
         self._settle()
         async_save = ts.config.checkpoint.async_save if async_save is None else bool(async_save)
@@ -213,20 +261,41 @@ class Checkpointer:
         return job.final
 
     # ---- load -------------------------------------------------------------------------------
-    def _choose(self, root: str, fs, tag: Optional[str]) -> Optional[str]:
+    def _choose(self, root: str, fs, tag: Optional[str], passed: Tuple[str, ...]) -> Optional[str]:
         """Rank 0 chooses and verifies; every rank gets its choice, or its error."""
         chosen, error = None, None
         if self.topology.rank == 0:
             try:
-                chosen = cread.choose(fs, root, tag)
+                chosen = cread.choose(fs, root, tag, passed)
             except CheckpointError as e:
                 error = str(e)
-            except (OSError, ValueError, KeyError, TypeError) as e:  # reported to every rank, no hang
+            except Exception as e:  # noqa: BLE001 - reported to every rank, none left hanging
                 error = f"reading checkpoints under {root}: {type(e).__name__}: {e}"
         chosen, error = self._broadcast((chosen, error))
         if error:
             raise CheckpointError(error)
         return chosen
+
+    def _read_agreed(self, fs, root: str, tag: Optional[str]) -> Tuple[Optional[str], Any]:
+        """(checkpoint path, what _read_state read) of the first candidate every rank can read:
+        a file can pass its checksum and still not parse; without a tag the next one is tried."""
+        passed: Tuple[str, ...] = ()
+        while True:
+            chosen = self._choose(root, fs, tag, passed)
+            if chosen is None:
+                return None, None
+            ckpt, error, got = cio.join(root, chosen), None, None
+            try:
+                got = _read_state(fs, ckpt, self.topology.rank)
+            except Exception as e:  # noqa: BLE001 - every rank learns of a failure on any rank
+                error = _load_failure(self.topology.rank, ckpt, e)
+            errors = self._errors(error)
+            if not errors:
+                return ckpt, got
+            if tag is not None:
+                raise CheckpointError(errors[0])
+            self._log(f"{errors[0]}; trying an older checkpoint", logging.WARNING)
+            passed += (chosen,)
 
     def load(self, path_or_uri: str, tag: Optional[str] = None, load_optimizer_states: bool = True,
              load_lr_scheduler_states: bool = True, load_module_only: bool = False
@@ -237,21 +306,18 @@ class Checkpointer:
         """
         self._settle_previous()
         fs, root = cio.filesystem(path_or_uri)
-        chosen = self._choose(root, fs, tag)
-        if chosen is None:
+        ckpt, got = self._read_agreed(fs, root, tag)
+        if ckpt is None:
             return None, None
-        ckpt = cio.join(root, chosen)
-        error, meta = None, {}
+        meta, saved, extras, rng = got
+        error = None
         try:
-            meta, saved, extras, rng = _read_state(fs, ckpt, self.topology.rank)
             optimizer = load_optimizer_states and not load_module_only
             scheduler = load_lr_scheduler_states and not load_module_only
             cstate.apply(self._train_state(), saved, extras, rng, meta, optimizer, scheduler,
                          load_module_only)
-        except (CheckpointError, KeyError, ValueError, RuntimeError, OSError) as e:
-            # every rank learns of a failure on any rank (none is left waiting in a collective)
-            kind = "" if isinstance(e, CheckpointError) else f"{type(e).__name__}: "
-            error = f"rank {self.topology.rank}: loading {ckpt}: {kind}{e}"
+        except Exception as e:  # noqa: BLE001 - every rank learns of a failure on any rank
+            error = _load_failure(self.topology.rank, ckpt, e)
         self._agree(error)
         self._log(f"loaded checkpoint {ckpt} (saved by {meta['world_size']} rank(s), "
                   f"ZeRO stage {meta['zero_stage']})")

@@ -15,6 +15,7 @@ import torch
 
 from . import storage as cio
 from . import read as cread
+from .state import meta_problem, rng_problem
 from .storage import CheckpointError
 
 Tensors = Dict[str, torch.Tensor]
@@ -49,8 +50,8 @@ class Report:
 
 
 def inspect(fs, root: str, tag: str, verify: bool = True) -> Report:
-    """Status of every file of one checkpoint: ok, missing, size or sha256 mismatch (sizes only
-    when verify is False)."""
+    """Status of every file of one checkpoint: ok, missing, size or sha256 mismatch, or does not
+    parse (sizes only when verify is False; meta.json is always read)."""
     ckpt = cio.join(root, tag)
     try:
         manifest = cread.read_manifest(fs, ckpt)
@@ -64,12 +65,32 @@ def inspect(fs, root: str, tag: str, verify: bool = True) -> Report:
         status = "missing" if size is None else "ok" if size == entry["bytes"] else \
             f"size mismatch (manifest: {entry['bytes']})"
         if status == "ok" and (verify or name == cread.META):
-            if cio.sha256(cio.read_bytes(fs, cio.join(ckpt, name))) != entry["sha256"]:
-                status = "sha256 mismatch"
+            status = _content_status(fs, ckpt, name, entry, report)
         report.files[name] = (entry["bytes"] if size is None else size, status)
-    if report.files.get(cread.META, (0, ""))[1] == "ok":
-        report.meta = cio.json_from_bytes(cio.read_bytes(fs, cio.join(ckpt, cread.META)))
     return report
+
+
+def _content_status(fs, ckpt: str, name: str, entry: dict, report: Report) -> str:
+    """'ok', 'sha256 mismatch' or 'does not parse: ...' for one file of the size it should have;
+    a good meta.json becomes report.meta, a bad one report.error."""
+    data = cio.read_bytes(fs, cio.join(ckpt, name))
+    if cio.sha256(data) != entry["sha256"]:
+        return "sha256 mismatch"
+    try:
+        if name.endswith(".json"):
+            value = cread.parse_json(data, ckpt, name)
+            problem = meta_problem(value) if name == cread.META else \
+                rng_problem(value) if name.startswith("rng-rank") else None
+            if problem:
+                raise CheckpointError(f"checkpoint {ckpt} is corrupt: {name}: {problem}")
+            if name == cread.META:
+                report.meta = value
+        else:
+            cread.parse_tensors(data, ckpt, name)
+    except CheckpointError as e:
+        report.error = report.error or str(e)
+        return "does not parse"
+    return "ok"
 
 
 def _meta_and_tensors(fs, ckpt: str, dtype: torch.dtype) -> Tuple[dict, Tensors, Tensors]:

@@ -5,6 +5,7 @@ keep the newest `keep_last` good checkpoints (good: committed, every file at its
 every checkpoint whose step is a multiple of `keep_every`, and the one `latest` names. A corrupt
 checkpoint never counts towards keep_last, so the newest good one is never deleted. Directories
 without a manifest other than our own staging leftovers are not ours to judge and are left alone.
+Before any of that, `settle` finishes or clears what saves killed mid-commit left behind.
 """
 from __future__ import annotations
 
@@ -41,35 +42,49 @@ def to_delete(found: Sequence[Candidate], latest: Optional[str], keep_last: int,
     return [c.tag for c in reversed(newest_first) if c.tag not in keep]
 
 
-def stale_staging(fs, root: str) -> List[str]:
-    """Paths a killed or failed save left behind under root (directories and `latest` temps).
+def settle(fs, root: str) -> List[str]:
+    """Finish what killed saves left under root; the paths it deleted.
 
-    Saves into one root are serialised (a save starts only after the previous one finished on
-    every rank), so when a commit has just finished every staging name belongs to a dead save.
+    A tag whose own directory is missing but which has a complete copy (a commit cut short
+    between moving the previous copy aside and moving the new one in) gets that copy moved into
+    place, the one a reader would load: the new one over the displaced one. Every other staging
+    path (directories, `latest` temporaries) then belongs to a dead save: saves into one root
+    are serialised, so when a commit has just finished no other save is in flight.
     """
+    found = cread.committed(fs, root)
+    finals = {c.tag for c in found if c.kind == "final"}
+    for c in found:  # sorted: a tag's staged copy comes before its displaced one
+        if c.kind != "final" and c.tag not in finals:
+            cio.move_dir(fs, cio.join(root, c.name), cio.join(root, c.tag))
+            finals.add(c.tag)
+            log.warning("checkpoint %s: completed a commit that was cut short (from %s)",
+                        cio.join(root, c.tag), c.name)
     infos = fs.get_file_info(pafs.FileSelector(root, allow_not_found=True))
-    return [i.path for i in infos if cread.STAGING in i.base_name]
+    stale = [i.path for i in infos if cread.STAGING in i.base_name]
+    for path in stale:
+        _delete(fs, path)
+    return stale
 
 
 def apply(fs, root: str, keep_last: Optional[int], keep_every: Optional[int]) -> List[str]:
-    """Delete stale staging paths and, with keep_last, the checkpoints `to_delete` names.
+    """`settle` the root and, with keep_last, delete the checkpoints `to_delete` names.
 
-    Runs on rank 0 right after a commit; a failure is logged, not raised: the new checkpoint is
-    committed already. Returns the deleted tags.
+    Runs on rank 0 right after a commit; nothing here raises (a failure is logged): the new
+    checkpoint is committed already, and whatever else lies under the root is not this save's
+    to fail on. Returns the deleted tags.
     """
     deleted: List[str] = []
     try:
-        for path in stale_staging(fs, root):
-            _delete(fs, path)
+        settle(fs, root)
         if keep_last is None:
             return deleted
         found = [Candidate(c.tag, c.step, cread.sizes_match(fs, cio.join(root, c.tag), c.manifest))
-                 for c in cread.committed(fs, root)]
+                 for c in cread.committed(fs, root) if c.kind == "final"]
         for tag in to_delete(found, cread.latest_tag(fs, root), keep_last, keep_every):
             fs.delete_dir(cio.join(root, tag))
             deleted.append(tag)
-    except (OSError, ValueError) as e:
-        log.warning("checkpoint retention under %s stopped: %s", root, e)
+    except Exception as e:  # noqa: BLE001 - see the docstring
+        log.warning("checkpoint retention under %s stopped: %s: %s", root, type(e).__name__, e)
     if deleted:
         log.info("checkpoint retention: deleted %s", ", ".join(deleted))
     return deleted

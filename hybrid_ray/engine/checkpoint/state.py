@@ -6,7 +6,7 @@ host tensors; everything after it (serialising, checksums, writing, the commit) 
 copies only. Nothing here touches storage.
 
 Per-parameter state (fp32 master, per-element optimizer state such as Adam's moments) is saved by
-parameter name; rank r saves the names a round-robin over the sorted names assigns to it. Rank 0
+parameter name; `owners` spreads the names over the ranks by size, so each writes about 1/N. Rank 0
 also saves the module's other tensors: its persistent buffers and the frozen parameters (those
 outside the engine's flat spaces), so that an offline export is a complete `state_dict`.
 """
@@ -130,11 +130,25 @@ def _per_element_keys(ts: TrainState, master: torch.Tensor) -> List[str]:
     return sorted(k for k, v in state.items() if torch.is_tensor(v) and v.shape == master.shape)
 
 
+def owners(sizes: Dict[str, int], world_size: int) -> Dict[str, int]:
+    """Which rank saves each parameter's state: largest first, to the rank with the fewest
+    elements so far (ties: the lower rank), so every rank writes about 1/N of the bytes; every
+    parameter carries the same state keys, so elements stand for bytes. The same on every rank:
+    a pure function of names and sizes."""
+    load = [0] * world_size
+    out: Dict[str, int] = {}
+    for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
+        rank = min(range(world_size), key=lambda r: (load[r], r))
+        out[name] = rank
+        load[rank] += sizes[name]
+    return out
+
+
 def snapshot_params(ts: TrainState, buffers: HostBuffers) -> Tuple[Tensors, List[dict]]:
     """This rank's share of the per-parameter state on the host, and the index of all of it."""
     topo, names = ts.topology, param_names(ts)
-    ordered = sorted(names[id(p)] for s in ts.spaces for p in s.params)
-    owner = {n: i % topo.world_size for i, n in enumerate(ordered)}
+    owner = owners({names[id(p)]: s.shapes[id(p)].numel() for s in ts.spaces for p in s.params},
+                   topo.world_size)
     out: Tensors = {}
     index: List[dict] = []
     per_space = []
@@ -266,6 +280,40 @@ def restore_data_state(ts: TrainState, saved: Optional[dict]) -> None:
                logging.WARNING)
         return
     obj.load_state_dict(saved["state"])
+
+
+_META_TYPES = {"world_size": int, "zero_stage": int, "counters": dict, "loss_scaler": dict,
+               "lr_scheduler": (dict, type(None)), "optimizer_scalars": dict, "client_state": dict,
+               "params": list}
+
+
+def meta_problem(meta: dict) -> Optional[str]:
+    """What in a parsed meta.json a load could not use, None if nothing: checked before anything
+    is applied, so a bad file leaves the engine as it was."""
+    for key, kind in _META_TYPES.items():
+        if key not in meta:
+            return f"it has no {key!r}"
+        if not isinstance(meta[key], kind) or isinstance(meta[key], bool):
+            return f"{key!r} is a {type(meta[key]).__name__}"
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in meta["counters"].values()):
+        return "'counters' holds a value that is not a whole number"
+    if not all(isinstance(p, dict) and isinstance(p.get("shape"), list) and
+               all(isinstance(d, int) for d in p["shape"]) for p in meta["params"]):
+        return "'params' holds an entry without a shape"
+    return None
+
+
+def rng_problem(state: dict) -> Optional[str]:
+    """What in a parsed RNG file set_rng_state could not restore, None if nothing."""
+    try:
+        torch_state = torch.tensor(state["torch"], dtype=torch.uint8)
+        version, internal, gauss = state["python"]
+        random.Random().setstate((version, tuple(internal), gauss))
+    except (KeyError, TypeError, ValueError, RuntimeError, OverflowError) as e:
+        return f"{type(e).__name__}: {str(e)[:120]}"
+    if torch_state.shape != torch.get_rng_state().shape:
+        return f"its torch state has {torch_state.numel()} bytes, not {torch.get_rng_state().numel()}"
+    return None
 
 
 def meta(ts: TrainState, tag: str, client_state: dict, index: List[dict], layout: dict) -> dict:

@@ -8,8 +8,9 @@ process group and deadlock or mismatch, so the ranks agree through files instead
    (tensor files in parts of at most PART_BYTES, several at once), then a marker
    `done-rank<r>.json` with each file's size and sha256, or the error it hit;
 2. rank 0 waits for every marker (`checkpoint.commit_timeout_s`), writes manifest.json (every
-   entry and the token), moves the directory to `<tag>`, rewrites `latest`, then applies
-   retention; if anything failed it writes `abort.json` into the staging directory instead;
+   entry and the token), moves the directory to `<tag>` (a previous `<tag>` aside first),
+   rewrites `latest`, then applies retention; if anything failed it writes `abort.json` into
+   the staging directory instead;
 3. the other ranks wait until `<tag>/manifest.json` carries their token, or abort.json appears,
    so that a save returns (or `wait_checkpoint()` does) on every rank only once the checkpoint
    is committed, and every rank learns of a failure on any rank.
@@ -28,6 +29,7 @@ from hybrid_ray.config import CheckpointConfig
 from . import storage as cio
 from . import read as cread
 from . import retention
+from .liveness import Heartbeat
 from .storage import CheckpointError
 
 PART_BYTES = 1 << 30  # bounds the serialised copy each writer thread holds
@@ -53,10 +55,12 @@ class SaveJob:
     # for the files of a peer that died would otherwise wait commit_timeout_s, and look frozen
     # to the driver meanwhile.
     cancel: threading.Event = field(default_factory=threading.Event)
+    # The peers' pulse (liveness.py): a rank that dies mid-save is noticed in seconds.
+    heartbeat: Optional[Heartbeat] = None
 
     @property
     def staging(self) -> str:
-        return cio.join(self.root, f"{self.tag}{cread.STAGING}{self.token}")
+        return cio.join(self.root, cread.staging_name(self.tag, self.token))
 
     @property
     def final(self) -> str:
@@ -109,14 +113,16 @@ def _marker(rank: int) -> str:
 
 # ---- steps 2 and 3: agreeing through files --------------------------------------------------------
 def _poll(what: Callable[[], Optional[Any]], timeout_s: float, waiting_for: str,
-          cancel: threading.Event) -> Any:
+          cancel: threading.Event, heartbeat: Optional[Heartbeat] = None) -> Any:
     """Call `what` until it returns something, backing off from 20 ms to 0.5 s between calls;
-    CheckpointError once timeout_s has passed or `cancel` is set."""
+    CheckpointError once timeout_s has passed, the job is cancelled or a peer is gone."""
     deadline, delay = time.monotonic() + timeout_s, 0.02
     while True:
         got = what()
         if got is not None:
             return got
+        if heartbeat is not None:
+            heartbeat.check()
         if cancel.is_set():
             raise CheckpointError(f"stopped waiting for {waiting_for}: the run is being torn down")
         if time.monotonic() > deadline:
@@ -150,25 +156,36 @@ def _collect_markers(job: SaveJob, entries: Entries) -> Entries:
         return True if not pending else None
 
     waiting_for = f"the files of ranks {sorted(pending)} in {job.staging}"
-    _poll(arrived, job.settings.commit_timeout_s, waiting_for, job.cancel)
+    _poll(arrived, job.settings.commit_timeout_s, waiting_for, job.cancel, job.heartbeat)
     for r in range(1, job.world_size):
         job.fs.delete_file(cio.join(job.staging, _marker(r)))
     return entries
 
 
 def _commit(job: SaveJob, entries: Entries) -> None:
-    """Rank 0: manifest last into the staging directory, move it to its name, point latest at it."""
+    """Rank 0: the manifest into the staging directory, the directory to its name, `latest` at it.
+
+    Crash-safe at every step, a re-saved tag included: the manifest completes the staged copy;
+    the tag's previous copy, if any, is moved aside (not deleted) before the new one moves in,
+    and deleted only once `latest` is rewritten and the moves are durable. A reader that finds
+    the tag's own directory missing loads its staged copy, else its displaced one (read.choose),
+    and the next commit finishes the move (retention.settle).
+    """
     fs = job.fs
     manifest = {"format": cread.FORMAT, "tag": job.tag, "global_steps": job.global_steps,
                 "token": job.token, "files": entries}
     cio.write_bytes(fs, cio.join(job.staging, cread.MANIFEST), cio.json_bytes(manifest),
                     fsync=job.settings.fsync)
+    displaced = None
     if cio.exists(fs, job.final):
-        fs.delete_dir(job.final)
+        displaced = cio.join(job.root, cread.displaced_name(job.tag, job.token))
+        cio.move_dir(fs, job.final, displaced)
     cio.move_dir(fs, job.staging, job.final)
     cio.write_atomic(fs, cio.join(job.root, cread.LATEST), job.tag.encode())
-    if job.settings.fsync and cio.is_local(fs):  # make the two renames durable too
+    if job.settings.fsync and cio.is_local(fs):  # make the renames durable before the delete
         cio.fsync_path(job.root)
+    if displaced is not None:
+        fs.delete_dir(displaced)
 
 
 def _await_commit(job: SaveJob) -> None:
@@ -183,11 +200,22 @@ def _await_commit(job: SaveJob) -> None:
         return None
 
     # Rank 0 may itself wait commit_timeout_s for a slow rank before it aborts: wait longer.
-    _poll(outcome, 2 * job.settings.commit_timeout_s, f"rank 0 to commit {job.final}", job.cancel)
+    _poll(outcome, 2 * job.settings.commit_timeout_s, f"rank 0 to commit {job.final}", job.cancel,
+          job.heartbeat)
 
 
 def run(job: SaveJob) -> str:
     """Write this rank's share and take part in the commit; the checkpoint's path, or raises."""
+    if job.heartbeat is None:
+        return _run(job)
+    job.heartbeat.start()
+    try:
+        return _run(job)
+    finally:
+        job.heartbeat.stop()
+
+
+def _run(job: SaveJob) -> str:
     error, entries = None, {}
     try:
         entries = write_files(job)
