@@ -134,7 +134,12 @@ class Checkpointer:
         errors = [error]
         if self._distributed():
             errors = [None] * self.topology.world_size
-            dist.all_gather_object(errors, error, group=self.topology.group)
+            try:
+                dist.all_gather_object(errors, error, group=self.topology.group)
+            except Exception as e:  # noqa: BLE001 - the collective failed: a peer is gone
+                lost = f"rank {self.topology.rank}: a peer left the group during a checkpoint " \
+                       f"({type(e).__name__}: {str(e).splitlines()[0][:160]})"
+                raise CheckpointError(error or lost) from None
         return [e for e in errors if e]
 
     def _agree(self, error: Optional[str]) -> None:

@@ -228,10 +228,13 @@ def choose(fs, root: str, tag: Optional[str], passed: Tuple[str, ...] = ()) -> O
     if latest is not None and not passed and (not order or order[0].tag != latest):
         log.warning("%s names %s, which is not a complete checkpoint", cio.join(root, LATEST), latest)
     chosen = _first_good(fs, root, order, strict=False, latest=latest)
-    if chosen is None and (order or bad):
-        listed = [c.name for c in order] + [name for name, _ in bad]
+    listed = [c.name for c in order] + [name for name, _ in bad] + list(passed)
+    if chosen is None and listed:
         raise CheckpointError(f"no loadable checkpoint under {root}: every candidate is corrupt "
                               f"({', '.join(listed)})")
+    if chosen is None and latest is not None:  # progress was saved here once: never start over
+        raise CheckpointError(f"no loadable checkpoint under {root}: {LATEST} names {latest}, "
+                              "which is not a complete checkpoint, and there is no other")
     return chosen
 
 
