@@ -65,7 +65,8 @@ def _config_check(args: argparse.Namespace) -> int:
             print(f"ok: job file; {describe(job.engine)}; model {m.n_layer} layers x "
                   f"d_model {m.d_model}, context {m.seq_len}; {job.train.steps} steps")
         else:
-            print(f"ok: {describe(load_config(raw))}")
+            # The path, not raw: a JSON string at the top would be taken for a path.
+            print(f"ok: {describe(load_config(args.path))}")
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_CONFIG

@@ -19,6 +19,7 @@ from typing import Any, Mapping, Optional, Sequence, Union
 
 from hybrid_ray.config import Config, ConfigError, load_config
 from hybrid_ray.config.api import read_json
+from hybrid_ray.config.bounds import check_bounds
 from hybrid_ray.config.errors import Verbatim, config_error, unknown_key_error
 from hybrid_ray.config.loader import checked, load_dataclass
 from hybrid_ray.data.corpus import CorpusSpec
@@ -133,10 +134,12 @@ def load_job(source: Union[str, os.PathLike, Mapping[str, Any]],
     stands as given); every error is one-line ConfigError."""
     path = "" if isinstance(source, Mapping) else str(source)
     raw = source if isinstance(source, Mapping) else read_json(Path(source))
+    check_bounds(raw)  # before any copy: deepcopy of a dict nested thousands deep overflows
     if steps is not None:
         raw = with_steps(raw, steps)
     if overrides:
         raw = apply_overrides(raw, overrides)
+        check_bounds(raw)
     if not isinstance(raw, Mapping):
         raise config_error("", "expected an object", raw, "sections: " + ", ".join(SECTIONS))
     if not is_job_file(raw):
@@ -168,7 +171,7 @@ def apply_overrides(raw: Any, overrides: Sequence[str]) -> dict:
             raise config_error("--set", "expected KEY.PATH=VALUE", item)
         try:
             value = json.loads(text)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # not JSON, a 5000-digit int, nested too deeply
             value = text
         *parents, last = key.split(".")
         node = out
