@@ -9,17 +9,21 @@ from typing import Any, Mapping, Union
 from hybrid_ray.config.bounds import MAX_DEPTH, check_bounds, parse_int, too_deep_position
 from hybrid_ray.config.errors import ConfigError, NotSupportedError, config_error
 from hybrid_ray.config.loader import load_dataclass
-from hybrid_ray.config.schema import Config
+from hybrid_ray.config.schema import Config, check_batch
 
 ConfigSource = Union[str, os.PathLike, Mapping[str, Any], Config]
 
 
-def load_config(source: ConfigSource) -> Config:
+def load_config(source: ConfigSource, *, fixed_global_batch: bool = False) -> Config:
     """Load and validate a config from a JSON file path, a dict, or return a Config as is.
 
     Raises ConfigError for anything invalid and NotSupportedError (a ConfigError) for valid
     settings the engine does not implement yet; whatever the input, nothing else (any other
     value than a path, dict or Config is refused as a config that is not a JSON object).
+    Batch sizes that no data-parallel size can satisfy are refused here; the check for one
+    size is `Config.resolve_batch(dp_size)`, at engine start. fixed_global_batch: the LM job's
+    rule (lm/job.for_world), where train_batch_size holds at every world size and the
+    micro-batch is an upper bound, so only a config with no batch size at all is refused.
     """
     if isinstance(source, Config):
         return source
@@ -30,6 +34,7 @@ def load_config(source: ConfigSource) -> Config:
         check_bounds(raw)
     cfg = load_dataclass(Config, raw, "")
     _check_supported(cfg)
+    check_batch(cfg, fixed_global_batch)
     return cfg
 
 

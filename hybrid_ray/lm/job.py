@@ -270,7 +270,7 @@ def _with_log_interval(engine: Any, train: Any) -> Any:
 def _load_engine(raw: Any) -> Config:
     # The engine's messages name paths inside its own config; say which section they are in.
     try:
-        return load_config(raw)
+        return load_config(raw, fixed_global_batch=True)  # for_world's batch rule
     except ConfigError as exc:
         raise type(exc)(f"[engine] {exc}", f"engine.{exc.path}" if exc.path else "engine") from None
 
