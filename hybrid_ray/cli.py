@@ -1,6 +1,6 @@
 """`hybrid-ray`: check configs and start the local training job from the shell.
 
-    hybrid-ray config check PATH         # "ok: ..." or the one-line config error (exit 2)
+    hybrid-ray config check PATH [--world-size N]   # "ok: ..." or the one-line error (exit 2)
     hybrid-ray train CONFIG [--nproc N]  # the LM job under torchrun on this machine
     hybrid-ray train CONFIG --workers N | --min-workers A --max-workers B [--address ADDR]
                                          # the LM job on Ray, elastic, with a live progress bar
@@ -9,7 +9,9 @@
     hybrid-ray mlflow sync RUN_DIR       # send the MLflow records a run left in RUN_DIR/mlflow
 
 `config check` takes a plain engine config (DeepSpeed-style JSON) or a job file with an
-"engine" section (jobs/configs/*.json); it builds nothing, so it runs in a second.
+"engine" section (jobs/configs/*.json); it builds nothing, so it runs in a second. It refuses
+what `initialize` refuses for the config alone, with the same message; the batch split for one
+world size is known only with `--world-size N`.
 """
 from __future__ import annotations
 
@@ -33,6 +35,9 @@ def _parser() -> argparse.ArgumentParser:
     config_sub = config.add_subparsers(dest="action", required=True, metavar="{check}")
     check = config_sub.add_parser("check", help="validate an engine config or a job file")
     check.add_argument("path", help="JSON file: engine config, or job file with an 'engine' section")
+    check.add_argument("--world-size", type=int, metavar="N",
+                       help="also split the batch for N data-parallel ranks, as initialize does "
+                            "(without it, only batch sizes no world size can run are refused)")
     check.set_defaults(func=_config_check)
     train = sub.add_parser("train", help="train the GPT LM job: torchrun here, or elastic on Ray (--workers/--min-workers)")
     train.add_argument("config", help="job file, e.g. jobs/configs/small_cpu.json")
@@ -55,21 +60,42 @@ def describe(cfg: Config) -> str:
 
 
 def _config_check(args: argparse.Namespace) -> int:
-    from hybrid_ray.lm.job import is_job_file, load_job
+    from hybrid_ray.lm.job import for_world, is_job_file, load_job
 
     try:
         raw = read_json(Path(args.path))
         if is_job_file(raw):
             job = load_job(args.path)
+            if args.world_size is not None:
+                job = for_world(job, _world_size(args.world_size))
             m = job.model
             print(f"ok: job file; {describe(job.engine)}; model {m.n_layer} layers x "
-                  f"d_model {m.d_model}, context {m.seq_len}; {job.train.steps} steps")
+                  f"d_model {m.d_model}, context {m.seq_len}; {job.train.steps} steps"
+                  f"{_batch_words(job.engine, args.world_size)}")
         else:
-            print(f"ok: {describe(load_config(raw))}")
+            cfg = load_config(args.path)  # not raw: a JSON string at the top is no path
+            print(f"ok: {describe(cfg)}{_batch_words(cfg, args.world_size)}")
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     return 0
+
+
+def _world_size(n: int) -> int:
+    if n < 1:
+        raise ConfigError(f"--world-size: out of range; got {n}; allowed: >= 1", "--world-size")
+    return n
+
+
+def _batch_words(cfg: Config, world_size: Optional[int]) -> str:
+    """'; world size 2: batch 32 = 8 x 2 accumulation steps x 2 ranks' (raises ConfigError as
+    the engine would at that world size); '' without a world size."""
+    if world_size is None:
+        return ""
+    b = cfg.resolve_batch(_world_size(world_size))
+    return (f"; world size {world_size}: batch {b.train_batch_size} = micro-batch "
+            f"{b.micro_batch_size} x {b.gradient_accumulation_steps} accumulation steps x "
+            f"{world_size} ranks")
 
 
 def _train(args: argparse.Namespace) -> int:

@@ -6,30 +6,35 @@ import os
 from pathlib import Path
 from typing import Any, Mapping, Union
 
+from hybrid_ray.config.bounds import MAX_DEPTH, check_bounds, parse_int, too_deep_position
 from hybrid_ray.config.errors import ConfigError, NotSupportedError, config_error
 from hybrid_ray.config.loader import load_dataclass
-from hybrid_ray.config.schema import Config
+from hybrid_ray.config.schema import Config, check_batch
 
 ConfigSource = Union[str, os.PathLike, Mapping[str, Any], Config]
 
 
-def load_config(source: ConfigSource) -> Config:
+def load_config(source: ConfigSource, *, fixed_global_batch: bool = False) -> Config:
     """Load and validate a config from a JSON file path, a dict, or return a Config as is.
 
     Raises ConfigError for anything invalid and NotSupportedError (a ConfigError) for valid
-    settings the engine does not implement yet.
+    settings the engine does not implement yet; whatever the input, nothing else (any other
+    value than a path, dict or Config is refused as a config that is not a JSON object).
+    Batch sizes that no data-parallel size can satisfy are refused here; the check for one
+    size is `Config.resolve_batch(dp_size)`, at engine start. fixed_global_batch: the LM job's
+    rule (lm/job.for_world), where train_batch_size holds at every world size and the
+    micro-batch is an upper bound, so only a config with no batch size at all is refused.
     """
     if isinstance(source, Config):
         return source
     if isinstance(source, (str, os.PathLike)):
         raw: Any = read_json(Path(source))
-    elif isinstance(source, Mapping):
-        raw = source
     else:
-        raise TypeError("load_config: expected a path, dict or Config; "
-                        f"got {type(source).__name__}")
+        raw = source
+        check_bounds(raw)
     cfg = load_dataclass(Config, raw, "")
     _check_supported(cfg)
+    check_batch(cfg, fixed_global_batch)
     return cfg
 
 
@@ -40,7 +45,8 @@ def replace_section(cfg: Config, key: str, raw: Any) -> Config:
 
 
 def read_json(path: Path) -> Any:
-    """Parse a JSON file; every failure is a one-line ConfigError that names the file."""
+    """Parse a JSON file; every failure is a one-line ConfigError that names the file (or, for
+    a value past the limits of bounds.py, the key path)."""
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
@@ -48,12 +54,18 @@ def read_json(path: Path) -> Any:
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{path}: cannot read config file ({exc})", str(path)) from None
     try:
-        return json.loads(text, object_pairs_hook=_reject_duplicates)
+        raw = json.loads(text, object_pairs_hook=_reject_duplicates, parse_int=parse_int)
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{path}: invalid JSON at line {exc.lineno} column {exc.colno}: "
                           f"{exc.msg}", str(path)) from None
     except ConfigError as exc:
         raise ConfigError(f"{path}: {exc}", str(path)) from None
+    except RecursionError:  # json's parser recurses per level: thousands overflow the stack
+        line, column = too_deep_position(text)
+        raise ConfigError(f"{path}: nested too deeply at line {line} column {column}; allowed: "
+                          f"at most {MAX_DEPTH} levels of objects and lists", str(path)) from None
+    check_bounds(raw)
+    return raw
 
 
 def _reject_duplicates(pairs: list) -> dict:

@@ -37,7 +37,10 @@ class Verbatim(str):
 
 def short_repr(value: object) -> str:
     """repr() cut to one short line, so a message stays readable when the value is a big section."""
-    text = repr(value)
+    try:
+        text = repr(value)
+    except (ValueError, RecursionError):  # an int past Python's 4300-digit limit, a deep dict
+        text = f"<{type(value).__name__}>"
     return text if len(text) <= _MAX_REPR else text[: _MAX_REPR - 3] + "..."
 
 

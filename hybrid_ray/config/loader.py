@@ -18,6 +18,7 @@ import types
 from typing import (Any, Callable, Literal, Mapping, Optional, Union, get_args, get_origin,
                     get_type_hints)
 
+from hybrid_ray.config.bounds import check_int_size
 from hybrid_ray.config.errors import (ConfigError, config_error, join_path, suggest,
                                       unknown_key_error)
 
@@ -163,12 +164,16 @@ def _load_scalar(hint: Any, raw: Any, path: str, nullable: bool) -> Any:
     elif hint is int:
         # bool is an int subclass in Python; a config `true` for a bucket size is a mistake.
         if isinstance(raw, int) and not isinstance(raw, bool):
+            check_int_size(raw, path)  # a section built in Python skips check_bounds
             return raw
         if isinstance(raw, float) and raw.is_integer():  # JSON configs write 5e8 for sizes
+            check_int_size(raw, path)  # 1e300 is integral too
             return int(raw)
     elif hint is float:
         if isinstance(raw, (int, float)) and not isinstance(raw, bool):
-            if not math.isfinite(raw):
+            if isinstance(raw, int):
+                check_int_size(raw, path)  # float(10**400) is an OverflowError
+            elif not math.isfinite(raw):
                 raise config_error(path, "expected a finite number", raw)
             return float(raw)
     elif hint is str:

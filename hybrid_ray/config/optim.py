@@ -74,7 +74,19 @@ def _load_optimizer_params(raw: Any, path: str, loaded: dict) -> dict:
         check_range(out[name], ppath, **_PARAM_RANGES.get(name, {}))
     for i, beta in enumerate(out.get("betas", ())):
         check_range(beta, f"{join_path(path, 'betas')}[{i}]", ge=0, lt=1)
+    _check_nesterov(out, path)
     return out
+
+
+def _check_nesterov(params: dict, path: str) -> None:
+    """torch's SGD refuses Nesterov momentum without momentum or with dampening; refused here
+    first so the error names the key (only SGD's signature has `nesterov`)."""
+    momentum, dampening = params.get("momentum", 0.0), params.get("dampening", 0.0)
+    if params.get("nesterov") and (momentum <= 0 or dampening != 0):
+        raise config_error(join_path(path, "nesterov"), "needs momentum > 0 and dampening 0",
+                           Verbatim(f"true with momentum {momentum}, dampening {dampening}"),
+                           f"set {join_path(path, 'momentum')} > 0 and dampening 0, or "
+                           f"nesterov false")
 
 
 @dataclass(frozen=True)

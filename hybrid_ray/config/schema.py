@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from hybrid_ray.config.checkpoint import CheckpointConfig
-from hybrid_ray.config.errors import Verbatim, config_error
+from hybrid_ray.config.errors import ConfigError, Verbatim, config_error
 from hybrid_ray.config.loader import checked, flatten, to_plain
 from hybrid_ray.config.optim import OptimizerConfig, SchedulerConfig
 from hybrid_ray.config.sections import (ActivationCheckpointingConfig, BF16Config,
@@ -114,6 +114,38 @@ class Config:
                              self.gradient_accumulation_steps, dp_size)
 
 
+def check_batch(cfg: Config, fixed_global_batch: bool = False) -> None:
+    """Refuse, at load time, batch sizes that resolve_batch refuses at every data-parallel size.
+
+    train_batch_size = micro * gas * dp_size has a solution dp_size >= 1 exactly when
+    train_batch_size is a multiple of the sizes given beside it; which dp_size does is known
+    only at engine start (resolve_batch). With fixed_global_batch (the LM job's rule: the
+    micro-batch is an upper bound, lm/job.for_world) any train_batch_size fits one rank.
+    """
+    batch, micro, gas = (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu,
+                         cfg.gradient_accumulation_steps)
+    if batch is None and micro is None:
+        raise _missing()
+    if batch is None or fixed_global_batch:
+        return
+    if micro is not None and gas is not None and batch % (micro * gas):
+        raise config_error(
+            f"{_BATCH}, {_MICRO}, {_GAS}", "contradiction",
+            Verbatim(f"{batch}, {micro}, {gas} ({batch} is not a multiple of {micro} * {gas})"),
+            f"need {_BATCH} = {_MICRO} * {_GAS} * dp_size for some data-parallel size dp_size")
+    given = micro if gas is None else gas  # the one beside train_batch_size, if only one
+    if (micro is None) != (gas is None) and batch % given:
+        key = _MICRO if gas is None else _GAS
+        raise config_error(f"{_BATCH}, {key}", "not divisible", Verbatim(f"{batch}, {given}"),
+                           f"need {_BATCH} divisible by {key} = {given} (whatever the "
+                           f"data-parallel size)")
+
+
+def _missing() -> ConfigError:
+    return config_error(f"{_BATCH}, {_MICRO}", "missing", Verbatim("neither"),
+                        f"set at least one ({_GAS} alone cannot size the batch)")
+
+
 def resolve_batch(batch: Optional[int], micro: Optional[int], gas: Optional[int],
                   dp_size: int) -> BatchSizes:
     """Infer the missing batch sizes; any two given determine the third, as in DeepSpeed.
@@ -123,8 +155,7 @@ def resolve_batch(batch: Optional[int], micro: Optional[int], gas: Optional[int]
     if isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1:
         raise config_error("dp_size", "out of range", dp_size, "allowed: an integer >= 1")
     if batch is None and micro is None:
-        raise config_error(f"{_BATCH}, {_MICRO}", "missing", Verbatim("neither"),
-                           f"set at least one ({_GAS} alone cannot size the batch)")
+        raise _missing()
     if micro is None and gas is None:
         gas = 1
         micro = _divide(batch, dp_size, _BATCH, f"{batch} with dp_size {dp_size}", "dp_size")

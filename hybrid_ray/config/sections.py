@@ -45,6 +45,16 @@ class FP16Config:
     auto_cast: bool = False
     """Cast floating inputs of forward to fp16 (DeepSpeed's fp16.auto_cast)."""
 
+    def validate(self, path: str) -> None:
+        """A dynamic scale starts at 2**initial_scale_power and never goes below min_loss_scale:
+        a floor above the start is a contradiction. Checked while fp16 is off too, since fp16
+        modules (precision.modules, FP16Layer) use this section's scaler."""
+        start = 2.0 ** self.initial_scale_power
+        if self.loss_scale == 0 and self.min_loss_scale > start:
+            raise config_error(f"{path}.min_loss_scale", "out of range", self.min_loss_scale,
+                               f"allowed: <= 2**initial_scale_power = {start:g} (the dynamic "
+                               f"scale starts there)")
+
 
 @dataclass(frozen=True)
 class BF16Config:

@@ -115,7 +115,7 @@ class Engine(DeepSpeedAccessors):
                                                   zc.stage3_prefetch_bucket_size)
 
     def _note_no_effect_settings(self) -> None:
-        defaults = load_config({}).flat_dict()
+        defaults = Config().flat_dict()
         ignored = build.no_effect_settings(self.config.flat_dict(), defaults)
         if ignored:
             self._log("accepted for DeepSpeed compatibility, no effect here: " + "; ".join(ignored))

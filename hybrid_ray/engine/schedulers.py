@@ -53,11 +53,12 @@ class _WarmupBase(LRScheduler):
 
     def __init__(self, optimizer: Optimizer, warmup_num_steps: int, warmup_type: str) -> None:
         name = type(self).__name__
-        if isinstance(warmup_num_steps, bool) or not isinstance(warmup_num_steps, int) or warmup_num_steps <= 0:
-            raise ValueError(f"{name}: warmup_num_steps must be a positive integer, got {warmup_num_steps!r}")
+        if isinstance(warmup_num_steps, bool) or not isinstance(warmup_num_steps, int) or warmup_num_steps < 0:
+            raise ValueError(f"{name}: warmup_num_steps must be an integer >= 0, got {warmup_num_steps!r}")
         if warmup_type not in (WARMUP_LOG, WARMUP_LINEAR):
             raise ValueError(f"{name}: warmup_type must be 'log' or 'linear', got {warmup_type!r}")
-        # log(1) = 0 would divide by zero; DeepSpeed lifts the warmup to 2 steps too.
+        # log(1) = 0 would divide by zero; DeepSpeed lifts the warmup to 2 steps too (0 and 1
+        # included, which the config schema and DeepSpeed accept).
         self.warmup_num_steps = max(2, warmup_num_steps)
         self.warmup_type = warmup_type
         super().__init__(optimizer)

@@ -19,6 +19,7 @@ from typing import Any, Mapping, Optional, Sequence, Union
 
 from hybrid_ray.config import Config, ConfigError, load_config
 from hybrid_ray.config.api import read_json
+from hybrid_ray.config.bounds import check_bounds
 from hybrid_ray.config.errors import Verbatim, config_error, unknown_key_error
 from hybrid_ray.config.loader import checked, load_dataclass
 from hybrid_ray.data.corpus import CorpusSpec
@@ -133,10 +134,12 @@ def load_job(source: Union[str, os.PathLike, Mapping[str, Any]],
     stands as given); every error is one-line ConfigError."""
     path = "" if isinstance(source, Mapping) else str(source)
     raw = source if isinstance(source, Mapping) else read_json(Path(source))
+    check_bounds(raw)  # before any copy: deepcopy of a dict nested thousands deep overflows
     if steps is not None:
         raw = with_steps(raw, steps)
     if overrides:
         raw = apply_overrides(raw, overrides)
+        check_bounds(raw)
     if not isinstance(raw, Mapping):
         raise config_error("", "expected an object", raw, "sections: " + ", ".join(SECTIONS))
     if not is_job_file(raw):
@@ -168,7 +171,7 @@ def apply_overrides(raw: Any, overrides: Sequence[str]) -> dict:
             raise config_error("--set", "expected KEY.PATH=VALUE", item)
         try:
             value = json.loads(text)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # not JSON, a 5000-digit int, nested too deeply
             value = text
         *parents, last = key.split(".")
         node = out
@@ -267,7 +270,7 @@ def _with_log_interval(engine: Any, train: Any) -> Any:
 def _load_engine(raw: Any) -> Config:
     # The engine's messages name paths inside its own config; say which section they are in.
     try:
-        return load_config(raw)
+        return load_config(raw, fixed_global_batch=True)  # for_world's batch rule
     except ConfigError as exc:
         raise type(exc)(f"[engine] {exc}", f"engine.{exc.path}" if exc.path else "engine") from None
 

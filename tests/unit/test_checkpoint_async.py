@@ -181,7 +181,7 @@ def test_checkpoint_section_is_validated(section: dict, message: str) -> None:
 def test_commit_gives_up_on_a_silent_rank_and_tells_the_others(tmp_path: Path) -> None:
     from hybrid_ray.engine.checkpoint import storage as cio
     fs, root = cio.filesystem(tmp_path)
-    settings = load_config({"checkpoint": {"commit_timeout_s": 0.2}}).checkpoint
+    settings = load_config({"train_batch_size": 1, "checkpoint": {"commit_timeout_s": 0.2}}).checkpoint
     rank0 = cwrite.SaveJob(fs, root, "t", "abcd", 0, 2, 5, settings, byte_files={"meta.json": b"{}"})
     fs.create_dir(rank0.staging)
     with pytest.raises(CheckpointError, match=r"gave up after 0.2 s waiting for the files of ranks \[1\]"):

@@ -55,7 +55,7 @@ def test_bad_key_inside_job_file_names_its_section(tmp_path, capsys):
     code, _, err = check(write(tmp_path, job), capsys)
     assert code == 2
     assert err == "error: [engine] fp16.enabeld: unknown key; did you mean 'enabled'?\n"
-    job = {"engine": {}, "model": {"layers": 2}, "train": {"steps": 5}}
+    job = {"engine": {"train_batch_size": 8}, "model": {"layers": 2}, "train": {"steps": 5}}
     code, _, err = check(write(tmp_path, job), capsys)
     assert code == 2 and err.startswith("error: model.layers: unknown key")
 

@@ -28,7 +28,8 @@ def error_of(raw: dict) -> str:
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 @pytest.mark.parametrize("kind", ["none", "topk", "powersgd", "fp16", "bf16"])
 def test_supported_types_load(kind, stage):
-    cfg = load_config({"gradient_compression": {"type": kind, "topk_ratio": 0.1, "warmup_steps": 5,
+    cfg = load_config({"train_batch_size": 1,
+                       "gradient_compression": {"type": kind, "topk_ratio": 0.1, "warmup_steps": 5,
                                                 "rank": 4, "error_feedback": False},
                        "zero_optimization": {"stage": stage}})
     assert cfg.gradient_compression.type == kind
@@ -49,7 +50,8 @@ def test_config_errors_name_the_key(raw, message):
 
 
 def test_half_compression_agrees_with_equal_communication_dtype():
-    cfg = load_config({"gradient_compression": {"type": "bf16"}, "communication_data_type": "bf16"})
+    cfg = load_config({"train_batch_size": 1, "gradient_compression": {"type": "bf16"},
+                       "communication_data_type": "bf16"})
     assert cfg.communication_data_type == "bf16"
 
 

@@ -24,6 +24,10 @@ SEED_ZERO = {
 }
 
 
+# The batch size a config needs to load at all (load_config refuses a config that sets none).
+MICRO = {"train_micro_batch_size_per_gpu": 1}
+
+
 def error_of(source: object, cls: type = ConfigError) -> str:
     """Load `source`, expect `cls` exactly, and return its one-line message."""
     with pytest.raises(ConfigError) as info:
@@ -60,21 +64,21 @@ def test_seed_zero_block_values_parse():
     raw = json.loads(json.dumps(SEED_ZERO))
     raw["zero_optimization"]["stage"] = 2
     raw["tensor_model_parallel_size"] = raw["pipeline_model_parallel_size"] = 1
-    zero = load_config(raw).zero_optimization
+    zero = load_config({**raw, **MICRO}).zero_optimization
     assert zero.stage == 2
     assert zero.allgather_bucket_size == 500_000_000
     assert type(zero.allgather_bucket_size) is int
 
 
 def test_existing_config_is_returned_as_is():
-    cfg = load_config({})
+    cfg = load_config(MICRO)
     assert load_config(cfg) is cfg
-    assert cfg == Config()
+    assert cfg == Config(train_micro_batch_size_per_gpu=1)
 
 
 def test_config_is_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
-        load_config({}).fp16.enabled = True  # type: ignore[misc]
+        load_config(MICRO).fp16.enabled = True  # type: ignore[misc]
 
 
 # ---- unknown keys -------------------------------------------------------------------------------
@@ -134,15 +138,16 @@ def test_wrong_type(raw, message):
 
 
 def test_int_accepts_integral_float_and_float_accepts_int():
-    cfg = load_config({"zero_optimization": {"reduce_bucket_size": 5e7}, "gradient_clipping": 1})
+    cfg = load_config({**MICRO, "zero_optimization": {"reduce_bucket_size": 5e7},
+                       "gradient_clipping": 1})
     assert cfg.zero_optimization.reduce_bucket_size == 50_000_000
     assert type(cfg.zero_optimization.reduce_bucket_size) is int
     assert cfg.gradient_clipping == 1.0 and type(cfg.gradient_clipping) is float
 
 
 def test_null_offload_section_means_default():
-    zero = load_config({"zero_optimization": {"offload_optimizer": None}}).zero_optimization
-    assert zero.offload_optimizer == load_config({}).zero_optimization.offload_optimizer
+    zero = load_config({**MICRO, "zero_optimization": {"offload_optimizer": None}}).zero_optimization
+    assert zero.offload_optimizer == Config().zero_optimization.offload_optimizer
 
 
 # ---- values out of range / not allowed ----------------------------------------------------------
@@ -182,14 +187,14 @@ def test_fp16_and_bf16_contradict():
 # ---- optimizer ----------------------------------------------------------------------------------
 
 def test_optimizer_type_is_case_insensitive_and_canonical():
-    cfg = load_config({"optimizer": {"type": "adamw", "params": {"betas": [0.9, 0.95]}}})
+    cfg = load_config({**MICRO, "optimizer": {"type": "adamw", "params": {"betas": [0.9, 0.95]}}})
     assert cfg.optimizer.type == "AdamW"
     assert cfg.optimizer.params["betas"] == (0.9, 0.95)
-    assert load_config({"optimizer": {"type": "sgd"}}).optimizer.type == "SGD"
+    assert load_config({**MICRO, "optimizer": {"type": "sgd"}}).optimizer.type == "SGD"
 
 
 def test_sgd_does_not_require_lr_and_checks_its_own_signature():
-    cfg = load_config({"optimizer": {"type": "SGD", "params": {"momentum": 0.9}}})
+    cfg = load_config({**MICRO, "optimizer": {"type": "SGD", "params": {"momentum": 0.9}}})
     assert cfg.optimizer.params == {"momentum": 0.9}
     assert error_of({"optimizer": {"type": "SGD", "params": {"betas": [0.9, 0.99]}}}).startswith(
         "optimizer.params.betas: unknown key; ")
@@ -205,17 +210,17 @@ def test_implementation_params_are_chosen_by_the_engine(name):
 # ---- scheduler ----------------------------------------------------------------------------------
 
 def test_scheduler_params_are_typed_by_scheduler_type():
-    cfg = load_config({"scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 1e-3}}})
+    cfg = load_config({**MICRO, "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 1e-3}}})
     assert cfg.scheduler.params == WarmupLRParams(warmup_max_lr=1e-3)
-    cfg = load_config({"scheduler": {"type": "WarmupDecayLR",
-                                     "params": {"total_num_steps": 5000, "warmup_num_steps": 100}}})
+    cfg = load_config({**MICRO, "scheduler": {"type": "WarmupDecayLR", "params": {
+        "total_num_steps": 5000, "warmup_num_steps": 100}}})
     assert isinstance(cfg.scheduler.params, WarmupDecayLRParams)
     assert cfg.scheduler.params.warmup_type == "log"
-    cfg = load_config({"scheduler": {"type": "warmupcosinelr",
-                                     "params": {"total_num_steps": 2000}}})
+    cfg = load_config({**MICRO, "scheduler": {"type": "warmupcosinelr",
+                                              "params": {"total_num_steps": 2000}}})
     assert cfg.scheduler.type == "WarmupCosineLR"
     assert cfg.scheduler.params == WarmupCosineLRParams(total_num_steps=2000)
-    assert load_config({"scheduler": None}).scheduler is None
+    assert load_config({**MICRO, "scheduler": None}).scheduler is None
 
 
 def test_scheduler_errors():
@@ -237,7 +242,7 @@ def test_scheduler_errors():
 # ---- precision and regexes ----------------------------------------------------------------------
 
 def test_precision_section_loads():
-    cfg = load_config({"bf16": {"enabled": True}, "precision": {
+    cfg = load_config({**MICRO, "bf16": {"enabled": True}, "precision": {
         "modules": {r"^lm_head$": "fp32", r"attn\..*": "fp16"},
         "schedule": [{"step": 100, "dtype": "fp16"}, {"step": 200, "dtype": "bf16"}]}})
     assert cfg.base_dtype == "bf16"
@@ -321,9 +326,11 @@ def test_resolve_batch_contradiction_names_all_three_keys():
 
 
 def test_resolve_batch_non_divisible_and_missing():
-    assert batch_error({"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4}, 2) == (
+    # Each loads (one rank can run it) and fails only at its dp_size; load_config refuses what
+    # fails at every dp_size (test_config_rules.py).
+    assert batch_error({"train_batch_size": 28, "train_micro_batch_size_per_gpu": 4}, 2) == (
         "train_batch_size, train_micro_batch_size_per_gpu: not divisible; "
-        "got 30, 4 with dp_size 2; "
+        "got 28, 4 with dp_size 2; "
         "need train_batch_size divisible by train_micro_batch_size_per_gpu * dp_size = 8")
     assert batch_error({"train_batch_size": 32}, 3) == (
         "train_batch_size: not divisible; got 32 with dp_size 3; "
@@ -331,8 +338,6 @@ def test_resolve_batch_non_divisible_and_missing():
     assert batch_error({"train_batch_size": 8, "gradient_accumulation_steps": 4}, 4) == (
         "train_batch_size, gradient_accumulation_steps: not divisible; got 8, 4 with dp_size 4; "
         "need train_batch_size divisible by gradient_accumulation_steps * dp_size = 16")
-    assert batch_error({"gradient_accumulation_steps": 4}, 1).startswith(
-        "train_batch_size, train_micro_batch_size_per_gpu: missing; got neither; ")
     assert batch_error({"train_batch_size": 8}, 0) == (
         "dp_size: out of range; got 0; allowed: an integer >= 1")
 
@@ -397,8 +402,9 @@ def test_top_level_must_be_an_object(tmp_path):
     path = tmp_path / "list.json"
     path.write_text("[1, 2]")
     assert error_of(path) == "<config>: expected an object; got [1, 2]; a Config section"
-    with pytest.raises(TypeError):
-        load_config(42)  # type: ignore[arg-type]
+    # Any JSON value that is not an object, passed directly (a str is a path).
+    for value in (42, None, True, 1.5, [1, 2]):
+        assert error_of(value).startswith("<config>: expected an object; got ")
 
 
 def test_errors_survive_pickling_with_their_path():

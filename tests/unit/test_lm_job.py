@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from hybrid_ray.cluster.records import Metrics
-from hybrid_ray.config import ConfigError, NotSupportedError
+from hybrid_ray.config import BatchSizes, ConfigError, NotSupportedError
 from hybrid_ray.lm.job import for_world, load_job
 from hybrid_ray.lm.setup import RunContext
 
@@ -46,11 +46,14 @@ def single_process(monkeypatch):
         monkeypatch.delenv(var, raising=False)
 
 
+ENGINE = {"train_batch_size": 8}  # the least an engine section needs to load
+
+
 def test_job_file_errors_name_the_section():
     with pytest.raises(ConfigError, match=r"^train.steps: missing required key"):
-        load_job({"engine": {}, "train": {}, "data": {"path": "x"}})
+        load_job({"engine": ENGINE, "train": {}, "data": {"path": "x"}})
     with pytest.raises(ConfigError, match=r"^egnine: unknown key; did you mean 'engine'\?"):
-        load_job({"engine": {}, "egnine": {}, "train": {"steps": 1}})
+        load_job({"engine": ENGINE, "egnine": {}, "train": {"steps": 1}})
     with pytest.raises(NotSupportedError,
                        match=r"^\[engine\] activation_checkpointing.partition_activations"):
         load_job({"engine": {"activation_checkpointing": {"partition_activations": True}},
@@ -58,11 +61,11 @@ def test_job_file_errors_name_the_section():
     with pytest.raises(ConfigError, match=r"^engine: missing required section"):
         load_job({"train_micro_batch_size_per_gpu": 4})
     with pytest.raises(ConfigError, match=r"^data: missing required section"):
-        load_job({"engine": {}, "train": {"steps": 1}})
+        load_job({"engine": ENGINE, "train": {"steps": 1}})
     with pytest.raises(ConfigError, match=r"^data.path: missing required key"):
-        load_job({"engine": {}, "train": {"steps": 1}, "data": {}})
+        load_job({"engine": ENGINE, "train": {"steps": 1}, "data": {}})
     with pytest.raises(ConfigError, match=r"^data.corpus.max_bytes: out of range; got 5"):
-        load_job({"engine": {}, "train": {"steps": 1}, "data": {"path": "x", "corpus": {"max_bytes": 5}}})
+        load_job({"engine": ENGINE, "train": {"steps": 1}, "data": {"path": "x", "corpus": {"max_bytes": 5}}})
 
 
 def test_shipped_configs_are_valid():
@@ -177,3 +180,14 @@ def test_resuming_a_finished_run_says_it_is_complete(data_dir, tmp_path, capsys)
     assert "at step 4: the run is already complete (train.steps 4); nothing to train" in out
     assert "final: no step in this run | val loss" in out and "nan" not in out and "tok/s" not in out
     assert again.steps == 4 and again.val_loss == first.val_loss
+
+
+def test_job_engine_batch_is_checked_by_the_job_rule_at_load():
+    # No batch size at all: no world size can run it, refused before anything starts.
+    with pytest.raises(ConfigError, match=r"^\[engine\] train_batch_size, "
+                                          r"train_micro_batch_size_per_gpu: missing"):
+        load_job({**TINY, "engine": {"steps_per_print": 1}})
+    # The micro-batch is an upper bound under the job's rule (for_world): 30 with 16 runs as
+    # 2 x 15 on one rank, though a plain engine config would need 30 divisible by 16.
+    job = load_job({**TINY, "engine": {"train_batch_size": 30, "train_micro_batch_size_per_gpu": 16}})
+    assert for_world(job, 1).engine.resolve_batch(1) == BatchSizes(30, 15, 2)

@@ -32,8 +32,9 @@ def test_offload_needs_zero_stage_1_or_2() -> None:
         "zero_optimization.offload_optimizer.device: needs ZeRO stage 1 or higher; got 'cpu'; "
         "set zero_optimization.stage to 1 or 2, or offload_optimizer.device to 'none'")
     for stage in (1, 2):
-        zero = load_config({"zero_optimization": {"stage": stage, "offload_optimizer": {
-            "device": "cpu", "pin_memory": True, "delayed_param_update": True}}}).zero_optimization
+        zero = load_config({"train_batch_size": 1, "zero_optimization": {
+            "stage": stage, "offload_optimizer": {
+                "device": "cpu", "pin_memory": True, "delayed_param_update": True}}}).zero_optimization
         assert zero.offload_optimizer.device == "cpu" and zero.offload_optimizer.delayed_param_update
 
 

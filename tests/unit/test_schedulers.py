@@ -182,15 +182,18 @@ def test_build_scheduler_errors_name_the_key() -> None:
     with pytest.raises(ValueError, match="warmup_type"):
         build_scheduler(cfg("WarmupLR", warmup_type="cosine"), make_optimizer())
     with pytest.raises(ValueError, match="warmup_num_steps"):
-        WarmupLR(make_optimizer(), warmup_num_steps=0)
+        WarmupLR(make_optimizer(), warmup_num_steps=-1)
     with pytest.raises(ValueError, match="param groups"):
         WarmupLR(make_optimizer(), warmup_max_lr=[0.1, 0.2, 0.3])
 
 
-def test_one_step_warmup_is_lifted_to_two() -> None:
-    # log(1) would divide by zero; DeepSpeed treats warmup_num_steps=1 as 2.
-    seq = lr_sequence(WarmupLR(make_optimizer(), warmup_max_lr=1.0, warmup_num_steps=1), 3)
+@pytest.mark.parametrize("steps", [0, 1])
+def test_short_warmup_is_lifted_to_two(steps: int) -> None:
+    # log(1) would divide by zero; DeepSpeed treats warmup_num_steps 0 and 1 as 2, and the
+    # config schema accepts 0 as DeepSpeed does.
+    seq = lr_sequence(WarmupLR(make_optimizer(), warmup_max_lr=1.0, warmup_num_steps=steps), 3)
     assert [s[0] for s in seq] == pytest.approx([0.0, 0.0, 1.0, 1.0])
+    assert build_scheduler(cfg("WarmupLR", warmup_num_steps=steps), make_optimizer()) is not None
 
 
 def test_params_may_be_a_dataclass() -> None:
