@@ -30,7 +30,12 @@ ALLOWED: Dict[str, Set[str]] = {
     "tracking": {"config"},
     "cluster": {"config", "engine", "tracking"},
     "lm": {"", "config", "engine", "data", "models", "profiling", "tracking", "cluster"},
-    "": {"config", "engine", "data", "profiling", "lm", "models", "tracking"},
+    # DeepSpeed's names: compat adapts the engine; the modules at DeepSpeed's import paths
+    # re-export compat and nothing else.
+    "compat": {"config", "engine", "data", "profiling"},
+    **{alias: {"compat"} for alias in ("comm", "accelerator", "zero", "checkpointing", "runtime",
+                                       "utils", "moe")},
+    "": {"config", "engine", "data", "profiling", "lm", "models", "tracking", "compat"},
 }
 # Third-party packages only one part of hybrid_ray may import.
 OWNERS = {"ray": "cluster", "mlflow": "tracking"}
