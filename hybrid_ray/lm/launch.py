@@ -193,6 +193,10 @@ def _train_rank(job: Job, resume: bool, rank: str, world: int, tracker: Any, rou
             finish_tracking(tracker, job.train.out_dir, checkpoint_dir(job), result, 0, [world],
                             job=job, status="FAILED" if problem else "FINISHED")
             print(tracker.where(), flush=True)
+        # A rank that exits 1 before rank 0 has recorded makes torchrun SIGTERM rank 0 mid-way:
+        # the run would end KILLED, spooled, instead of FAILED in MLflow. Leave together.
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()
         if problem:
             raise DidNotLearnError(problem)
         return 0
