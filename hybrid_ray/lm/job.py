@@ -282,3 +282,9 @@ def _check_schedule(engine: Config, train: TrainSection) -> None:
         raise config_error("engine.scheduler.params.total_num_steps, train.steps", "contradiction",
                            Verbatim(f"{total}, {train.steps}"),
                            "make them equal: the learning-rate schedule should end with the run")
+
+
+def uses_fp16(engine_config: Any) -> bool:
+    """Whether a job's engine config trains in fp16 anywhere, so that its loss scale means
+    something (the LM's model pins no precision itself: the config says it all)."""
+    return engine_config.base_dtype == "fp16" or engine_config.precision.uses_fp16

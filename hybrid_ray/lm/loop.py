@@ -22,7 +22,7 @@ from hybrid_ray.cluster.compression_follower import DirectiveFollower
 from hybrid_ray.cluster.records import LinkProbe, Params, Text
 from hybrid_ray.engine.flops.report import format_report
 from hybrid_ray.lm.evaluate import all_sum, evaluate, generate
-from hybrid_ray.lm.job import Job, console_interval, for_world
+from hybrid_ray.lm.job import Job, console_interval, for_world, uses_fp16
 from hybrid_ray.lm.setup import (Run, RunContext, RunLog, build, checkpoint_dir, prepare_data,
                                  resume, set_threads)
 from hybrid_ray.profiling.speedometer import Speedometer
@@ -205,11 +205,13 @@ def _log_step(run: Run, log: RunLog, step: int, total: int, loss: float, tok_s: 
     `console` steps and at the last (about 20 a run: console_interval)."""
     engine = run.engine
     norm = engine.get_global_grad_norm()  # None before the first optimizer step
-    lr, scale = engine.get_lr()[0], engine.loss_scale
+    lr = engine.get_lr()[0]
+    scale = engine.loss_scale if uses_fp16(engine.config) else None  # 1 by construction otherwise
     log.record(step=step, train_loss=loss, lr=lr, loss_scale=scale, grad_norm=norm, tokens_per_s=tok_s,
                skipped_steps=engine.skipped_steps, **_comm_record(engine))
     if step % console == 0 or step == total:
-        log.progress(f"step {step:>5}/{total} | loss {loss:.4f} | lr {lr:.2e} | loss scale {scale:g} | "
+        shown = "" if scale is None else f"loss scale {scale:g} | "
+        log.progress(f"step {step:>5}/{total} | loss {loss:.4f} | lr {lr:.2e} | {shown}"
                      f"grad norm {'-' if norm is None else f'{norm:.3f}'} | {tok_s:,.0f} tok/s")
 
 

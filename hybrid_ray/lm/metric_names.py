@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, FrozenSet, Iterable, Mapping, Optional
 
+from hybrid_ray.lm.job import uses_fp16
 from hybrid_ray.tracking.values import metric_value
 
 NAMES: Dict[str, str] = {
@@ -53,10 +54,8 @@ class MetricNames:
 
     @classmethod
     def for_job(cls, job: Any, fixed_world: bool) -> "MetricNames":
-        engine = job.engine  # the LM's model pins no precision itself: the config says it all
-        fp16 = engine.base_dtype == "fp16" or engine.precision.uses_fp16
-        compressed = engine.gradient_compression.type != "none"
-        return cls(constant_by_construction(fp16, compressed, fixed_world))
+        compressed = job.engine.gradient_compression.type != "none"
+        return cls(constant_by_construction(uses_fp16(job.engine), compressed, fixed_world))
 
     def __call__(self, metrics: Mapping[str, Any]) -> Dict[str, float]:
         out = {}

@@ -169,8 +169,7 @@ def resume(run: Run, job: Job, ctx: RunContext, log: RunLog) -> None:
     if ckpt is None:
         raise ValueError("--resume: train.out_dir is null, so there are no checkpoints to resume from")
     path, _ = run.engine.load_checkpoint(ckpt)
-    if path is None:
-        log.say(f"resume: no checkpoint in {ckpt}; starting from step 0")
+    if path is None:  # the launcher (torchrun's, or the Ray driver) has said so already
         return
     step, pos = run.engine.global_steps, run.loader.state_dict()
     if step >= job.train.steps:
