@@ -13,6 +13,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from . import client_state
 from . import storage as cio
 from . import read as cread
 from .state import meta_problem, rng_problem
@@ -85,6 +86,8 @@ def _content_status(fs, ckpt: str, name: str, entry: dict, report: Report) -> st
                 raise CheckpointError(f"checkpoint {ckpt} is corrupt: {name}: {problem}")
             if name == cread.META:
                 report.meta = value
+        elif name == client_state.FILE:
+            client_state.parse(data, ckpt)
         else:
             cread.parse_tensors(data, ckpt, name)
     except CheckpointError as e:
