@@ -9,6 +9,12 @@ from typing import Any, Optional, Tuple
 import torch
 import torch.nn as nn
 
+import importlib
+
+from .compat.args import add_config_arguments, config_from_args
+from .compat.dist import init_distributed
+from .compat.engine import DeepSpeedEngine
+from .compat.version import __version__
 from .config import Config, ConfigError, NotSupportedError, load_config
 from .data import build_dataloader
 from .engine import (Engine, FP16Layer, FP16Module, LossScaleUnderflowError, NonFiniteGradientError,
@@ -17,26 +23,65 @@ from .profiling import Speedometer, get_model_profile
 
 __all__ = ["initialize", "Engine", "Config", "ConfigError", "NotSupportedError", "load_config",
            "FP16Layer", "FP16Module", "Topology", "NonFiniteGradientError", "LossScaleUnderflowError",
-           "checkpoint_activations", "register_external_parameter", "Speedometer", "get_model_profile"]
+           "checkpoint_activations", "register_external_parameter", "Speedometer", "get_model_profile",
+           "DeepSpeedEngine", "add_config_arguments", "init_distributed", "__version__"]
+# DeepSpeed's subpackages, reachable as attributes after `import hybrid_ray as deepspeed`
+# (deepspeed.comm, deepspeed.checkpointing, ...) but imported only when first used.
+_DEEPSPEED_SUBPACKAGES = ("comm", "accelerator", "checkpointing", "runtime", "utils", "moe", "zero")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _DEEPSPEED_SUBPACKAGES:
+        try:
+            return importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as e:
+            if e.name != f"{__name__}.{name}":
+                raise
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def initialize(model: nn.Module, model_parameters: Any = None, config: Any = None,
-               optimizer: Optional[torch.optim.Optimizer] = None, lr_scheduler: Any = None,
-               training_data: Any = None, loss_scaler: Any = None, *, config_params: Any = None,
-               args: Any = None, collate_fn: Any = None, topology: Optional[Topology] = None,
-               dist_init_required: Optional[bool] = None) -> Tuple[Engine, Any, Any, Any]:
+               optimizer: Any = None, lr_scheduler: Any = None, training_data: Any = None,
+               loss_scaler: Any = None, *, config_params: Any = None, args: Any = None,
+               collate_fn: Any = None, topology: Optional[Topology] = None,
+               dist_init_required: Optional[bool] = None, mpu: Any = None,
+               distributed_port: Optional[int] = None, print_steps: bool = True,
+               ) -> Tuple[DeepSpeedEngine, Any, Any, Any]:
     """Build the engine; returns (engine, optimizer, dataloader, lr_scheduler) like DeepSpeed.
 
-    config: a path to a DeepSpeed-style JSON file, a dict, or a Config (`config_params` is the
-    older DeepSpeed spelling and is accepted too; `args` and `dist_init_required` are accepted
-    for signature compatibility and ignored: the process group comes from the environment).
+    Positionally (model, model_parameters, config), as the seed document writes it; DeepSpeed
+    scripts pass everything by keyword (`initialize(args=args, model=net, ...)`), which works
+    the same. config: a path to a DeepSpeed-style JSON file, a dict, or a Config
+    (`config_params` is the older DeepSpeed spelling); without it, `args.deepspeed_config`
+    (add_config_arguments adds the flag); both only when they load to the same config.
+    args.local_rank must match LOCAL_RANK. optimizer / lr_scheduler: an instance, or DeepSpeed's
+    callables (params -> optimizer, optimizer -> scheduler). The process group comes from the
+    environment; `dist_init_required` and `distributed_port` are accepted for DeepSpeed's
+    signature. mpu: refused unless its model-parallel world size is 1. print_steps: DeepSpeed's
+    progress line every steps_per_print steps (off for callers that print their own, such as
+    the LM job).
     """
-    if config is None and config_params is None:
-        raise ConfigError("config: missing; got None; pass a JSON path, a dict or a Config")
+    if model is None:
+        raise ConfigError("model: missing; got None; pass the nn.Module to train (model=...)")
     if config is not None and config_params is not None:
         raise ConfigError("config, config_params: contradiction; got both; pass one")
-    engine = Engine(model, config if config is not None else config_params, model_parameters,
-                    optimizer, lr_scheduler, loss_scaler, topology)
+    config = config_from_args(args, config if config is not None else config_params)
+    _check_mpu(mpu)
+    if isinstance(optimizer, torch.optim.Optimizer) or optimizer is None:
+        client_optimizer = optimizer
+    elif callable(optimizer):  # DeepSpeed's optimizer callable: built over the model parameters
+        client_optimizer = optimizer(model_parameters if model_parameters is not None else model.parameters())
+    else:
+        raise ConfigError(f"optimizer: expected a torch.optim.Optimizer or a callable; got "
+                          f"{type(optimizer).__name__}")
+    # DeepSpeed's scheduler callable (optimizer -> scheduler) is built on the engine's optimizer,
+    # unless the config has a scheduler (DeepSpeed's precedence too).
+    factory = isinstance(lr_scheduler, type) or (callable(lr_scheduler) and not hasattr(lr_scheduler, "step"))
+    engine = DeepSpeedEngine(model, config, model_parameters, client_optimizer,
+                             None if factory else lr_scheduler, loss_scaler, topology,
+                             print_steps=print_steps)
+    if factory and engine.lr_scheduler is None:
+        engine.lr_scheduler = lr_scheduler(engine.optimizer)
     loader = None
     if training_data is not None:
         # A sampler keyed by the global sample index: its position is resumable at any world size.
@@ -45,3 +90,14 @@ def initialize(model: nn.Module, model_parameters: Any = None, config: Any = Non
                                   global_batch=engine.train_batch_size())
         engine.training_dataloader = loader  # its data position goes into checkpoints, if it has one
     return engine, engine.optimizer, loader, engine.lr_scheduler
+
+
+def _check_mpu(mpu: Any) -> None:
+    if mpu is None:
+        return
+    for name in ("get_model_parallel_world_size", "get_tensor_model_parallel_world_size",
+                 "get_pipeline_model_parallel_world_size"):
+        size = getattr(mpu, name, None)
+        if size is not None and size() > 1:
+            raise NotSupportedError(f"mpu: {name}() = {size()}: model parallelism through an mpu "
+                                    "is not supported yet; pass mpu=None")

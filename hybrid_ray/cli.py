@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import List, Optional
 
 from hybrid_ray import checkpoint_cli, mlflow_cli
+from hybrid_ray.compat.version import __version__
 from hybrid_ray.config import Config, ConfigError, load_config
 from hybrid_ray.config.api import read_json
 
@@ -30,6 +31,7 @@ EXIT_CONFIG = 2  # argparse's code for bad usage; a bad config is the same kind 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hybrid-ray", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version", version=f"hybrid-ray {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="{config,train,checkpoint,mlflow}")
     config = sub.add_parser("config", help="work with config files")
     config_sub = config.add_subparsers(dest="action", required=True, metavar="{check}")

@@ -8,6 +8,7 @@ from typing import Any, Mapping, Union
 
 from hybrid_ray.config.bounds import MAX_DEPTH, check_bounds, parse_int, too_deep_position
 from hybrid_ray.config.errors import ConfigError, NotSupportedError, config_error
+from hybrid_ray.config.legacy import normalise
 from hybrid_ray.config.loader import load_dataclass
 from hybrid_ray.config.schema import Config, check_batch
 
@@ -32,7 +33,7 @@ def load_config(source: ConfigSource, *, fixed_global_batch: bool = False) -> Co
     else:
         raw = source
         check_bounds(raw)
-    cfg = load_dataclass(Config, raw, "")
+    cfg = load_dataclass(Config, normalise(raw), "")
     _check_supported(cfg)
     check_batch(cfg, fixed_global_batch)
     return cfg
@@ -98,5 +99,16 @@ def _check_supported(cfg: Config) -> None:
             "needs tensor parallelism, which is planned)")
     _refuse(cfg.tensor_model_parallel_size > 1, "tensor_model_parallel_size",
             cfg.tensor_model_parallel_size, "allowed: 1 (tensor parallelism is planned)")
+    _refuse(cfg.fp16.fp16_master_weights_and_grads, "fp16.fp16_master_weights_and_grads", True,
+            "allowed: false (master weights and gradients are fp32)")
+    _refuse(cfg.sparse_gradients, "sparse_gradients", True,
+            "allowed: false (embedding gradients are reduced densely in the flat buckets)")
+    _refuse(cfg.amp.enabled, "amp.enabled", True, "allowed: false (apex AMP is not supported: "
+            "use fp16.enabled or bf16.enabled)")
+    _refuse(cfg.elasticity.enabled, "elasticity.enabled", True, "allowed: false (elastic scaling "
+            "is done by the Ray driver: hybrid-ray train --min-workers/--workers)")
+    for monitor in ("tensorboard", "wandb", "csv_monitor"):
+        _refuse(getattr(cfg, monitor).enabled, f"{monitor}.enabled", True,
+                "allowed: false (metrics are recorded in MLflow: hybrid_ray.tracking)")
     _refuse(cfg.pipeline_model_parallel_size > 1, "pipeline_model_parallel_size",
             cfg.pipeline_model_parallel_size, "allowed: 1 (pipeline parallelism is planned)")

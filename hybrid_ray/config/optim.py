@@ -20,11 +20,14 @@ DEFAULT_OPTIMIZER = "AdamW"
 # Keywords that pick a kernel implementation: the engine decides these from the device and its
 # flat-buffer layout, and a config that forces one would silently fight that choice.
 ENGINE_CHOSEN = ("fused", "foreach", "capturable", "differentiable")
-# DeepSpeed-only keys people carry over from DeepSpeed configs; say what to do instead.
+# DeepSpeed's own Adam keys: read here (they pick DeepSpeed's implementation and its weight
+# decay), never passed to torch. torch_adam only picks the implementation (torch's or DeepSpeed's
+# fused kernel; the engine always uses torch.optim); adam_w_mode must agree with the type.
 _DEEPSPEED_ONLY = {
-    "adam_w_mode": "DeepSpeed-only; use type 'AdamW' for decoupled weight decay, 'Adam' for L2",
-    "torch_adam": "DeepSpeed-only; the engine always uses torch.optim",
+    "adam_w_mode": "DeepSpeed's Adam decay switch; must agree with type ('AdamW': true, 'Adam': false)",
+    "torch_adam": "DeepSpeed's choice of Adam kernel; the engine always uses torch.optim",
 }
+_ADAM_W_MODE = {"AdamW": True, "Adam": False}
 # Ranges torch would enforce anyway at construction; checked here so the error names the key.
 _PARAM_RANGES = {"lr": {"ge": 0}, "eps": {"ge": 0}, "weight_decay": {"ge": 0},
                  "momentum": {"ge": 0}, "dampening": {"ge": 0}}
@@ -67,7 +70,8 @@ def _load_optimizer_params(raw: Any, path: str, loaded: dict) -> dict:
             raise config_error(ppath, "not configurable", value,
                                "the engine chooses the optimizer implementation itself")
         if name in _DEEPSPEED_ONLY:
-            raise config_error(ppath, "unknown key", value, _DEEPSPEED_ONLY[name])
+            _check_deepspeed_key(name, value, ppath, loaded.get("type", DEFAULT_OPTIMIZER))
+            continue
         if name not in schema:
             raise unknown_key_error(path, name, [k for k in schema if k not in ENGINE_CHOSEN])
         out[name] = load_value(schema[name], value, ppath)
@@ -76,6 +80,19 @@ def _load_optimizer_params(raw: Any, path: str, loaded: dict) -> dict:
         check_range(beta, f"{join_path(path, 'betas')}[{i}]", ge=0, lt=1)
     _check_nesterov(out, path)
     return out
+
+
+def _check_deepspeed_key(name: str, value: Any, path: str, kind: str) -> None:
+    """torch_adam: any boolean for Adam/AdamW; adam_w_mode: only the value the type means."""
+    if kind not in _ADAM_W_MODE:
+        raise config_error(path, "unknown key", value, f"{_DEEPSPEED_ONLY[name]} (Adam/AdamW only)")
+    if not isinstance(value, bool):
+        raise config_error(path, "expected a boolean", value)
+    if name == "adam_w_mode" and value != _ADAM_W_MODE[kind]:
+        want = "AdamW" if value else "Adam"
+        raise config_error(path, "contradiction", Verbatim(f"{str(value).lower()} with type {kind!r}"),
+                           f"DeepSpeed's Adam with adam_w_mode {str(value).lower()} is torch's "
+                           f"{want}: set type {want!r} (and drop adam_w_mode)")
 
 
 def _check_nesterov(params: dict, path: str) -> None:

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from hybrid_ray.config.checkpoint import CheckpointConfig
+from hybrid_ray.config.compat_sections import (AmpConfig, CSVMonitorConfig, ElasticityConfig,
+                                               TensorBoardConfig, WandbConfig)
 from hybrid_ray.config.errors import ConfigError, Verbatim, config_error
 from hybrid_ray.config.loader import checked, flatten, to_plain
 from hybrid_ray.config.optim import OptimizerConfig, SchedulerConfig
@@ -76,6 +78,28 @@ class Config:
     """Random seed for torch/numpy/python; None leaves them unseeded. numpy caps it at 2**32-1."""
     dump_state: bool = False
     """Print the engine state after initialisation."""
+    prescale_gradients: bool = False
+    """Divide gradients by the world size before their reduction (DeepSpeed); the reducer
+    already does so whenever it reduces in 16 bits, where it matters: no effect here."""
+    gradient_predivide_factor: float = checked(1.0, gt=0)
+    """Divide by this before the reduction and by world_size/factor after (DeepSpeed); the same
+    mean either way, and the reducer picks the order: no effect here."""
+    sparse_gradients: bool = False
+    """Reduce nn.Embedding gradients as sparse tensors (not supported: must stay false)."""
+    zero_allow_untested_optimizer: bool = False
+    """DeepSpeed's opt-in to client optimizers under ZeRO; every torch optimizer is accepted here."""
+    zero_force_ds_cpu_optimizer: bool = True
+    """DeepSpeed's CPU-Adam requirement for offload; the engine picks torch's fused CPU step."""
+    amp: AmpConfig = field(default_factory=AmpConfig)
+    """apex AMP (must stay disabled: use fp16 or bf16)."""
+    elasticity: ElasticityConfig = field(default_factory=ElasticityConfig)
+    """DeepSpeed elasticity (must stay disabled: the Ray driver resizes jobs)."""
+    tensorboard: TensorBoardConfig = field(default_factory=TensorBoardConfig)
+    """TensorBoard monitor (must stay disabled: metrics go to MLflow)."""
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    """Weights & Biases monitor (must stay disabled: metrics go to MLflow)."""
+    csv_monitor: CSVMonitorConfig = field(default_factory=CSVMonitorConfig)
+    """CSV monitor (must stay disabled: metrics go to MLflow and metrics.jsonl)."""
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     """Per-module dtypes and precision rules (ours, not DeepSpeed's)."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)

@@ -44,6 +44,8 @@ class FP16Config:
     """Floor of the dynamic loss scale."""
     auto_cast: bool = False
     """Cast floating inputs of forward to fp16 (DeepSpeed's fp16.auto_cast)."""
+    fp16_master_weights_and_grads: bool = False
+    """Keep master weights and gradients in fp16 (not supported: masters are fp32)."""
 
     def validate(self, path: str) -> None:
         """A dynamic scale starts at 2**initial_scale_power and never goes below min_loss_scale:
@@ -62,6 +64,10 @@ class BF16Config:
 
     enabled: bool = False
     """Train in bf16 (mutually exclusive with fp16.enabled)."""
+    immediate_grad_update: bool = False
+    """DeepSpeed: add each micro-batch's bf16 gradients into fp32 right after its backward.
+    No effect here: gradients reach fp32 at the engine's reduction (every micro-batch at ZeRO
+    2/3; at the accumulation boundary at ZeRO 0/1, after accumulating in bf16)."""
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 from typing import Any, List, Mapping, Optional, Union
 
 import torch
@@ -117,8 +118,9 @@ class Engine(DeepSpeedAccessors):
     def _note_no_effect_settings(self) -> None:
         defaults = Config().flat_dict()
         ignored = build.no_effect_settings(self.config.flat_dict(), defaults)
-        if ignored:
-            self._log("accepted for DeepSpeed compatibility, no effect here: " + "; ".join(ignored))
+        if ignored and self.topology.rank == 0:  # a warning: shown by default, once per message
+            warnings.warn("accepted for DeepSpeed compatibility, no effect here: " + "; ".join(ignored),
+                          stacklevel=3)
 
     def _master_groups(self) -> List[List[nn.Parameter]]:
         """Masters per optimizer group, with empty lists for groups with nothing to train."""
@@ -220,7 +222,7 @@ class Engine(DeepSpeedAccessors):
         """Scale the loss (loss scale / accumulation steps), backprop, reduce gradients."""
         gas = self.batch.gradient_accumulation_steps
         self.flops_profiler.before_backward()
-        if self.micro_steps % gas == 0:
+        if not self._window_open:  # the window's first backward (not counted: boundaries can be set)
             self.reducer.start_window()
         self._window_open = True
         if self._window_t0 is None:
@@ -345,6 +347,7 @@ class Engine(DeepSpeedAccessors):
         out = self.checkpointer.load(load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
                                      load_module_only)
         if out[0] is not None:
+            self._window_open = False  # gradients of a window begun before the load are dropped
             self._apply_schedule()
         return out
 

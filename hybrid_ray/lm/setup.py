@@ -150,8 +150,10 @@ def build(job: Job, topo: Topology, meta: dict) -> Run:
     tok = load_tokenizer(d.path, meta)
     model = build_model(job, tok.vocab_size, job.engine.seed or 0)
     train = open_split(d.path, meta, "train", m.seq_len, d.cache_dir)
+    # print_steps off: the job prints its own progress lines (loop.py) and records every
+    # steps_per_print step; DeepSpeed's line on top would say the same twice.
     engine, _, loader, _ = hybrid_ray.initialize(model, config=job.engine, training_data=train,
-                                                 topology=topo)
+                                                 topology=topo, print_steps=False)
     val = open_split(d.path, meta, "val", m.seq_len, d.cache_dir)
     return Run(engine, loader, val, tok, meta)
 

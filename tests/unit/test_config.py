@@ -103,16 +103,26 @@ def test_unknown_key_suggests_nearest(raw, message):
 
 def test_unknown_key_without_close_match_lists_allowed_keys():
     message = error_of({"bf16": {"zzz": True}})
-    assert message == "bf16.zzz: unknown key; allowed: enabled"
+    assert message == "bf16.zzz: unknown key; allowed: enabled, immediate_grad_update"
     top = error_of({"xyzzy": 1})
     assert top.startswith("xyzzy: unknown key; allowed: train_batch_size, ")
     assert "precision" in top
 
 
 def test_deepspeed_only_optimizer_param_says_what_to_do():
+    # DeepSpeed's Adam with adam_w_mode true (its default) is decoupled decay: torch's AdamW.
     message = error_of({"optimizer": {"type": "Adam", "params": {"adam_w_mode": True}}})
-    assert message.startswith("optimizer.params.adam_w_mode: unknown key; got True; ")
-    assert "'AdamW'" in message
+    assert message.startswith("optimizer.params.adam_w_mode: contradiction; got true with type 'Adam'; ")
+    assert "set type 'AdamW'" in message
+    assert error_of({"optimizer": {"type": "SGD", "params": {"torch_adam": True}}}).startswith(
+        "optimizer.params.torch_adam: unknown key; got True; ")
+
+
+def test_deepspeed_adam_keys_that_mean_what_the_type_does_are_read_and_dropped():
+    for kind, mode in (("AdamW", True), ("Adam", False)):
+        cfg = load_config({"train_batch_size": 1, "optimizer": {
+            "type": kind, "params": {"lr": 0.1, "torch_adam": True, "adam_w_mode": mode}}})
+        assert cfg.optimizer.params == {"lr": 0.1}
 
 
 # ---- wrong types --------------------------------------------------------------------------------

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from ..topology import Topology
+from . import client_state as cclient
 from . import read as cread
 from . import state as cstate
 from . import storage as cio
@@ -47,19 +48,6 @@ from .state import TrainState
 from .storage import CheckpointError
 
 Tensors = Dict[str, torch.Tensor]
-
-
-def check_client_state(client_state: Any) -> dict:
-    """client_state as a dict that JSON can hold; CheckpointError otherwise."""
-    client_state = {} if client_state is None else client_state
-    if not isinstance(client_state, dict):
-        raise CheckpointError(f"client_state must be a dict, got {type(client_state).__name__}")
-    try:
-        cio.json_bytes(client_state)
-    except (TypeError, ValueError) as e:
-        raise CheckpointError(f"client_state must be JSON-serialisable (str/int/float/bool/None, "
-                              f"lists and dicts with str keys): {e}") from None
-    return client_state
 
 
 def check_tag(tag: Optional[str], global_steps: int) -> str:
@@ -74,7 +62,7 @@ def _read_state(fs, ckpt: str, rank: int) -> Tuple[dict, Tensors, Tensors, Optio
     manifest, small = cread.read_json_files(fs, ckpt)
     saved: Tensors = {}
     extras: Tensors = {}
-    tensor_names = [n for n in sorted(manifest["files"]) if not n.endswith(".json")]
+    tensor_names = [n for n in sorted(manifest["files"]) if not n.endswith(".json") and n != cclient.FILE]
     for name, data in cread.iter_verified(fs, ckpt, manifest, tensor_names):
         target = extras if name.startswith(cread.EXTRAS) else saved
         target.update(cread.parse_tensors(data, ckpt, name))
@@ -82,6 +70,9 @@ def _read_state(fs, ckpt: str, rank: int) -> Tuple[dict, Tensors, Tensors, Optio
     problem = cstate.meta_problem(meta)
     if problem:
         raise CheckpointError(f"checkpoint {ckpt} is corrupt: {cread.META}: {problem}")
+    if cclient.FILE in manifest["files"]:  # a client_state JSON could not hold
+        for _, data in cread.iter_verified(fs, ckpt, manifest, [cclient.FILE]):
+            meta["client_state"] = cclient.parse(data, ckpt)
     rng_name = f"rng-rank{rank:05d}.json"
     rng = small.get(rng_name)
     if rng is not None:
@@ -198,7 +189,7 @@ class Checkpointer:
                 self._saver = None
 
     # ---- save -------------------------------------------------------------------------------
-    def _snapshot(self, ts: TrainState, job: cwrite.SaveJob, client_state: dict,
+    def _snapshot(self, ts: TrainState, job: cwrite.SaveJob, client_state: Tuple[dict, Optional[bytes]],
                   buffers: cstate.HostBuffers) -> None:
         """Fill the job with this rank's share of the state, on the host (collective)."""
         rank = self.topology.rank
@@ -209,7 +200,10 @@ class Checkpointer:
             extras, layout = cstate.snapshot_module_extras(ts, buffers)
             if extras:
                 job.tensor_files.update(cwrite.split_parts(cread.EXTRAS, extras))
-            job.byte_files[cread.META] = cio.json_bytes(cstate.meta(ts, job.tag, client_state, index, layout))
+            in_meta, pt_file = client_state
+            job.byte_files[cread.META] = cio.json_bytes(cstate.meta(ts, job.tag, in_meta, index, layout))
+            if pt_file is not None:
+                job.byte_files[cclient.FILE] = pt_file
 
     def _start(self, path_or_uri: str, tag: str, ts: TrainState) -> cwrite.SaveJob:
         """The save's job, with its staging directory made by rank 0 (collective)."""
@@ -235,7 +229,7 @@ class Checkpointer:
              async_save: Optional[bool] = None) -> str:
         """Write a checkpoint; every rank calls it. Returns the checkpoint's path (with async_save,
         the path it will have once committed: `wait()` says when)."""
-        client_state = check_client_state(client_state)
+        prepared = cclient.prepare(client_state)  # every rank checks its own; rank 0's is saved
         ts = self._train_state()
         tag = check_tag(self._agree_on_tag(tag), ts.counters.global_steps)
         self._settle_previous()
@@ -249,7 +243,7 @@ class Checkpointer:
         buffers = self._saver.buffers if async_save else cstate.HostBuffers(pin=False)
         error = None
         try:
-            self._snapshot(ts, job, client_state, buffers)
+            self._snapshot(ts, job, prepared, buffers)
         except CheckpointError as e:  # e.g. a data position that is not JSON, on rank 0
             error = f"rank {self.topology.rank}: {e}"
         self._agree(error)

@@ -13,6 +13,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from . import client_state
 from . import storage as cio
 from . import read as cread
 from .state import meta_problem, rng_problem
@@ -85,6 +86,8 @@ def _content_status(fs, ckpt: str, name: str, entry: dict, report: Report) -> st
                 raise CheckpointError(f"checkpoint {ckpt} is corrupt: {name}: {problem}")
             if name == cread.META:
                 report.meta = value
+        elif name == client_state.FILE:
+            client_state.parse(data, ckpt)
         else:
             cread.parse_tensors(data, ckpt, name)
     except CheckpointError as e:
@@ -111,8 +114,10 @@ def _meta_and_tensors(fs, ckpt: str, dtype: torch.dtype) -> Tuple[dict, Tensors,
     return cio.json_from_bytes(small[cread.META]), masters, extras
 
 
-def consolidated_state_dict(fs, ckpt: str, dtype: torch.dtype = torch.float32) -> Dict[str, torch.Tensor]:
-    """The model's state_dict from a checkpoint's files: what `module.state_dict()` holds."""
+def consolidated_state_dict(fs, ckpt: str, dtype: torch.dtype = torch.float32,
+                            exclude_frozen: bool = False) -> Dict[str, torch.Tensor]:
+    """The model's state_dict from a checkpoint's files: what `module.state_dict()` holds
+    (without the frozen parameters with exclude_frozen; buffers are always kept)."""
     meta, masters, extras = _meta_and_tensors(fs, ckpt, dtype)
     layout = meta.get("module") or {"state_dict_keys": sorted(masters), "aliases": {}, "buffers": []}
     aliases, buffers = layout["aliases"], set(layout["buffers"])
@@ -122,6 +127,8 @@ def consolidated_state_dict(fs, ckpt: str, dtype: torch.dtype = torch.float32) -
         if name in masters:
             out[key] = masters[name]
         elif key in extras:  # buffers keep their dtype; frozen parameters follow the export's
+            if exclude_frozen and key not in buffers:
+                continue
             value = extras[key]
             out[key] = value if key in buffers or not value.is_floating_point() else value.to(dtype)
         else:
@@ -129,7 +136,7 @@ def consolidated_state_dict(fs, ckpt: str, dtype: torch.dtype = torch.float32) -
     return out
 
 
-def _target(path_or_uri: str, tag: Optional[str]) -> Tuple[object, str]:
+def target(path_or_uri: str, tag: Optional[str]) -> Tuple[object, str]:
     """(filesystem, checkpoint directory): PATH itself when it is one, else the tag under it, or
     the one `latest` names with the usual fallback to the newest good one."""
     fs, path = cio.filesystem(path_or_uri)
@@ -148,7 +155,7 @@ def export(path_or_uri: str, out: str, dtype: torch.dtype = torch.float32,
     suffix = out.rsplit(".", 1)[-1] if "." in out else ""
     if suffix not in ("safetensors", "pt"):
         raise CheckpointError(f"{out}: the output must end in .safetensors or .pt")
-    fs, ckpt = _target(path_or_uri, tag)
+    fs, ckpt = target(path_or_uri, tag)
     state = consolidated_state_dict(fs, ckpt, dtype)
     out_fs, out_path = cio.filesystem(out)
     cio.write_bytes(out_fs, out_path, _serialise(state, suffix, ckpt.rpartition("/")[2]))

@@ -1,0 +1,1 @@
+"""`deepspeed.moe`: importable; layer.MoE refuses to be built (hybrid_ray/compat/moe.py)."""

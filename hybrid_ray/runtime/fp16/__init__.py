@@ -1,0 +1,1 @@
+"""`deepspeed.runtime.fp16`: see layer.py."""
