@@ -81,7 +81,8 @@ class _PartitionMode(TorchFunctionMode):
         kwargs = kwargs or {}
         self.settle()
         name, attr = getattr(func, "__name__", ""), _attr(func)
-        first = args[0] if args else None
+        # nn.init functions arrive with their tensor as a keyword (handle_torch_function)
+        first = args[0] if args else kwargs.get("tensor")
         if self._partitioned(first):
             if attr in _SHAPE_ATTRS or name in _SHAPE_QUERIES:
                 return _shape_answer(zp.partition_of(first).shape, name, attr, args[1:], kwargs)

@@ -170,6 +170,7 @@ def fill_local_shard(space, group: Optional[dist.ProcessGroup]) -> None:
         if is_partitioned(p):
             whole = partition_of(p).full().reshape(-1)
             delattr(p, PART_ATTR)
+            del p.ds_tensor  # the Init shard's last reference: freed as we go
         else:
             whole = p.data.detach().reshape(-1).to(space.device)
             if space.num_shards > 1:
