@@ -17,8 +17,9 @@ numbers as without Init: the same seed gives the same weights at every world siz
 queries (`.shape`, `.size()`, `.dim()`, `.numel()`) are answered from the recorded shape without
 gathering. The peak is the shards plus the parameters in use at once (one, for usual init code).
 
-As with DeepSpeed, code run under Init must make the same calls on every rank (gathers and
-scatters are collectives), and the context is a no-op when disabled, at one rank, or when the
+As with DeepSpeed, code run under Init must make the same calls on every rank wherever they
+touch a partitioned parameter (gathers and scatters are collectives; calls that touch none, such
+as rank 0 writing a parameter gathered with GatheredParameters, never communicate), and the context is a no-op when disabled, at one rank, or when the
 config's ZeRO stage is not 3. A `.data` alias still held when the context exits is detached
 from the parameter (its later writes are lost).
 """
@@ -79,7 +80,6 @@ class _PartitionMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        self.settle()
         name, attr = getattr(func, "__name__", ""), _attr(func)
         # nn.init functions arrive with their tensor as a keyword (handle_torch_function)
         first = args[0] if args else kwargs.get("tensor")
@@ -92,6 +92,11 @@ class _PartitionMode(TorchFunctionMode):
             if (attr is not None and attr not in _WHOLE_ATTRS) or name in _METADATA:
                 return func(*args, **kwargs)
         params = [a for a in tree_leaves((args, kwargs)) if self._partitioned(a)]
+        if not params:  # no collective here: rank-dependent code (`if rank == 0:`) stays safe
+            out = func(*args, **kwargs)
+            self._track(out)
+            return out
+        self.settle()  # every rank makes this call (it touches a partitioned parameter)
         overwrite = first is not None and (name in _OVERWRITE or _is_init_function(func))
         for p in _unique(params):
             self.make_whole(p, read=not (overwrite and p is first))
