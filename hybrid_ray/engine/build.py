@@ -74,7 +74,8 @@ def broadcast_state(spaces: Sequence[FlatSpace], model: nn.Module, topo: Topolog
     """
     if topo.world_size > 1:
         for s in spaces:
-            dist.broadcast(s.flat, src=0, group=topo.group)
+            if s.flat.numel():  # a space built from zero.Init shards took rank 0's values already
+                dist.broadcast(s.flat, src=0, group=topo.group)
         for b in model.buffers():
             dist.broadcast(b, src=0, group=topo.group)
 

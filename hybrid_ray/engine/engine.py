@@ -38,7 +38,7 @@ from .flops.profiler import StepProfiler
 from .zero.reducer import GradReducer, ReduceOptions
 from .schedulers import build_scheduler
 from .topology import Topology
-from .zero import relayout, stage3
+from .zero import partition as zero_partition, relayout, stage3
 from .zero.optimizer import StepOutcome, ZeroOptimizer
 
 log = logging.getLogger("hybrid_ray")
@@ -98,6 +98,9 @@ class Engine(DeepSpeedAccessors):
         # Stage 3 with one rank has nothing to partition: it runs as stage 2.
         partition_params = zc.stage == 3 and topo.world_size > 1
         num_shards = topo.world_size if zc.stage >= 1 else 1
+        # zero.Init shards: only stage 3's trained parameters stay partitioned, the rest are whole.
+        zero_partition.unpartition_all(self.module, {id(p) for ps, _ in groups for p in ps}
+                                       if partition_params else set())
         if partition_params:
             self.spaces, unit_of_space, unit_mods = stage3.build_stage3_spaces(
                 self.module, groups, topo.device, zc.reduce_bucket_size, topo,
@@ -113,7 +116,7 @@ class Engine(DeepSpeedAccessors):
         self.stage3: Optional[stage3.Stage3Controller] = None
         if partition_params:  # after the masters are built from the whole parameters
             self.stage3 = stage3.build_controller(self.spaces, unit_of_space, unit_mods, topo,
-                                                  zc.stage3_prefetch_bucket_size)
+                                                  zc.stage3_prefetch_bucket_size, self.zero)
 
     def _note_no_effect_settings(self) -> None:
         defaults = Config().flat_dict()

@@ -18,6 +18,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.nn as nn
 
+from .partition import param_shape
+
 # Bucket starts (and shard boundaries) are aligned to this many elements so the large
 # per-bucket kernels and collectives work on 16-byte aligned memory in every dtype we use.
 _ALIGN = 8
@@ -50,7 +52,7 @@ def plan_buckets(params: Sequence[nn.Parameter], bucket_numel: int, num_shards: 
     cursor, current, used = 0, None, 0
     pad = _ALIGN * num_shards
     for p in params:
-        n = p.numel()
+        n = param_shape(p).numel()
         if current is None or (used > 0 and used + n > bucket_numel):
             if current is not None:
                 current.content, current.numel = used, _round_up(used, pad)
@@ -70,25 +72,29 @@ class FlatSpace:
 
     After construction every parameter's `.data` is a view into `self.flat`; the original
     storage is freed. `shard_numel` is this rank's share: the size of its fp32 master.
+    whole=False (stage 3 over parameters built under zero.Init): no flat buffer is allocated
+    and the parameters are left as they are; `partition.fill_local_shard` then builds the
+    local shard, so the whole space never exists on one rank.
     """
 
     def __init__(self, params: Sequence[nn.Parameter], dtype: torch.dtype, device: torch.device,
-                 bucket_numel: int, num_shards: int, rank: int, group_index: int):
+                 bucket_numel: int, num_shards: int, rank: int, group_index: int, whole: bool = True):
         self.dtype, self.device = dtype, device
         # With one shard (stage 0) every rank owns the whole space.
         self.num_shards, self.rank, self.group_index = num_shards, rank if num_shards > 1 else 0, group_index
         self.params = list(params)
         self.buckets = plan_buckets(self.params, bucket_numel, num_shards)
         self.numel = self.buckets[-1].start + self.buckets[-1].numel if self.buckets else 0
-        self.flat = torch.zeros(self.numel, dtype=dtype, device=device)
+        self.flat = torch.zeros(self.numel if whole else 0, dtype=dtype, device=device)
         self.bucket_of: Dict[int, Bucket] = {}
-        self.shapes: Dict[int, torch.Size] = {id(p): p.shape for p in self.params}
+        self.shapes: Dict[int, torch.Size] = {id(p): param_shape(p) for p in self.params}
         for bucket in self.buckets:
             for p, off in zip(bucket.params, bucket.offsets):
-                view = self.flat[off:off + p.numel()].view(self.shapes[id(p)])
-                view.copy_(p.data)
-                p.data = view
                 self.bucket_of[id(p)] = bucket
+                if whole:
+                    view = self.flat[off:off + p.numel()].view(self.shapes[id(p)])
+                    view.copy_(p.data)
+                    p.data = view
         self.shard_numel = sum(b.numel // num_shards for b in self.buckets)
         # Stage 3 only: this rank's slices, the sole persistent copy of the parameters; the full
         # `flat` storage then exists only while the unit is gathered.

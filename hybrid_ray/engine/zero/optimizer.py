@@ -49,7 +49,9 @@ class ZeroOptimizer:
         self.offload = reducer.offload  # one decision, shared with the reducer
         self.masters: List[torch.nn.Parameter] = []
         for space in spaces:
-            shard = space.gather_shard(space.flat).float()
+            # A space built from zero.Init partitions has no flat buffer, only its local shard.
+            local = space.local_shard if space.local_shard is not None else space.gather_shard(space.flat)
+            shard = local.to(torch.float32, copy=local is space.local_shard)
             self.masters.append(torch.nn.Parameter(
                 shard if self.offload is None else self.offload.to_host(shard)))
         self.optimizer: Optional[torch.optim.Optimizer] = None

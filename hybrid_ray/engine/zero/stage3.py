@@ -29,7 +29,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .. import comm
+from . import partition
 from .flat import FlatSpace
+from .gathered import Stage3Params
 from ..topology import Topology
 
 EXTERNAL_ATTR = "_hybrid_ray_external_params"
@@ -95,9 +97,13 @@ class Unit:
         self.params = [p for s in spaces for p in s.params]
 
     def shard_out(self) -> None:
-        """Keep only this rank's slice of every space (the optimizer writes into it)."""
+        """Keep only this rank's slice of every space (the optimizer writes into it).
+
+        A space built from zero.Init partitions has its local shard already and no flat buffer.
+        """
         for s in self.spaces:
-            s.local_shard = s.gather_shard(s.flat)
+            if s.local_shard is None:
+                s.local_shard = s.gather_shard(s.flat)
         self.release()
 
     def gather(self) -> None:
@@ -112,7 +118,12 @@ class Unit:
                                                   group=self.topo.group, async_op=True))
             for p, view in zip(s.ordered_params(), s.views_of(s.flat)):
                 p.data = view
+        self._mark(partition.ZeroParamStatus.AVAILABLE)
         self.gathered = True
+
+    def _mark(self, status: "partition.ZeroParamStatus") -> None:
+        for p in self.params:  # DeepSpeed's attribute, read by scripts that check before gathering
+            p.ds_status = status
 
     def wait(self) -> None:
         self.gather()
@@ -131,6 +142,7 @@ class Unit:
             for p in s.params:
                 p.data = empty
             s.flat = empty
+        self._mark(partition.ZeroParamStatus.NOT_AVAILABLE)
         self.gathered = False
 
 
@@ -142,6 +154,7 @@ class Stage3Controller:
         self.order: List[int] = []  # unit indices in first-forward order
         self._recording = True
         self._handles: list = []
+        self.access: Optional[Stage3Params] = None  # GatheredParameters' way in (build_controller)
         for unit in units:
             self._install(unit)
         for unit in units + ([root] if root else []):
@@ -236,6 +249,8 @@ class Stage3Controller:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        if self.access is not None:
+            self.access.detach()
 
 
 def _tensors(obj) -> Iterable[torch.Tensor]:
@@ -254,7 +269,9 @@ def build_stage3_spaces(model: nn.Module, groups, device: torch.device, bucket_n
     """Flat spaces for stage 3, and which unit each belongs to.
 
     Returns (spaces, unit_of_space, units) where unit_of_space[i] is a unit index, -1 for the
-    root unit, or None for a persistent (stage-2 style, always whole) space.
+    root unit, or None for a persistent (stage-2 style, always whole) space. Parameters built
+    under zero.Init stay partitioned: their spaces get no flat buffer, only the local shard,
+    cut from one whole parameter at a time; persistent ones are gathered whole first.
     """
     units = unit_modules(model)
     owner = assign_units(model, units)
@@ -263,11 +280,17 @@ def build_stage3_spaces(model: nn.Module, groups, device: torch.device, bucket_n
     for gi, (params, _) in enumerate(groups):
         buckets: Dict[tuple, List[nn.Parameter]] = {}
         for p in params:
-            key = (None if p.numel() < persistence_threshold else _root_or(owner.get(id(p))), p.dtype)
+            small = partition.param_shape(p).numel() < persistence_threshold
+            if small and partition.is_partitioned(p):
+                partition.unpartition(p)
+            key = (None if small else _root_or(owner.get(id(p))), p.dtype)
             buckets.setdefault(key, []).append(p)
         for (unit, dtype), ps in buckets.items():
+            whole = not any(partition.is_partitioned(p) for p in ps)
             spaces.append(FlatSpace(list(reversed(ps)), dtype, device, bucket_numel, topo.world_size,
-                                    topo.rank, gi))
+                                    topo.rank, gi, whole=whole))
+            if not whole:
+                partition.fill_local_shard(spaces[-1], topo.group)
             unit_of_space.append(unit)
     return spaces, unit_of_space, units
 
@@ -277,8 +300,12 @@ def _root_or(index: Optional[int]) -> int:
 
 
 def build_controller(spaces: List[FlatSpace], unit_of_space: List[Optional[int]],
-                     modules: List[nn.Module], topo: Topology, prefetch_numel: int) -> Stage3Controller:
-    """Group the partitioned spaces into units and start the controller (releases them)."""
+                     modules: List[nn.Module], topo: Topology, prefetch_numel: int,
+                     zero=None) -> Stage3Controller:
+    """Group the partitioned spaces into units and start the controller (releases them).
+
+    With the ZeroOptimizer `zero`, GatheredParameters can reach the parameters (controller.access).
+    """
     by_unit: Dict[int, List[FlatSpace]] = {}
     for space, unit in zip(spaces, unit_of_space):
         if unit is not None:
@@ -287,4 +314,8 @@ def build_controller(spaces: List[FlatSpace], unit_of_space: List[Optional[int]]
     for new_index, unit in enumerate(units):
         unit.index = new_index
     root = Unit(-1, None, by_unit[-1], topo) if -1 in by_unit else None
-    return Stage3Controller(units, root, prefetch_numel)
+    ctl = Stage3Controller(units, root, prefetch_numel)
+    if zero is not None:
+        unit_of = {id(s): u for u in units + ([root] if root else []) for s in u.spaces}
+        ctl.access = Stage3Params(spaces, [unit_of.get(id(s)) for s in spaces], zero, topo)
+    return ctl
