@@ -9,8 +9,6 @@ from typing import Any, Optional, Tuple
 import torch
 import torch.nn as nn
 
-import importlib
-
 from .compat.args import add_config_arguments, config_from_args
 from .compat.dist import init_distributed
 from .compat.engine import DeepSpeedEngine
@@ -20,26 +18,14 @@ from .data import build_dataloader
 from .engine import (Engine, FP16Layer, FP16Module, LossScaleUnderflowError, NonFiniteGradientError,
                      Topology, checkpoint_activations, register_external_parameter)
 from .profiling import Speedometer, get_model_profile
+# DeepSpeed's subpackages, so that `import hybrid_ray as deepspeed` gives deepspeed.comm,
+# deepspeed.zero, ... as DeepSpeed's own __init__ does; each only re-exports hybrid_ray.compat.
+from . import accelerator, checkpointing, comm, moe, runtime, utils, zero  # noqa: E402
 
 __all__ = ["initialize", "Engine", "Config", "ConfigError", "NotSupportedError", "load_config",
            "FP16Layer", "FP16Module", "Topology", "NonFiniteGradientError", "LossScaleUnderflowError",
            "checkpoint_activations", "register_external_parameter", "Speedometer", "get_model_profile",
            "DeepSpeedEngine", "add_config_arguments", "init_distributed", "__version__"]
-# DeepSpeed's subpackages, reachable as attributes after `import hybrid_ray as deepspeed`
-# (deepspeed.comm, deepspeed.checkpointing, ...) but imported only when first used.
-_DEEPSPEED_SUBPACKAGES = ("comm", "accelerator", "checkpointing", "runtime", "utils", "moe", "zero")
-
-
-def __getattr__(name: str) -> Any:
-    if name in _DEEPSPEED_SUBPACKAGES:
-        try:
-            return importlib.import_module(f"{__name__}.{name}")
-        except ModuleNotFoundError as e:
-            if e.name != f"{__name__}.{name}":
-                raise
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 def initialize(model: nn.Module, model_parameters: Any = None, config: Any = None,
                optimizer: Any = None, lr_scheduler: Any = None, training_data: Any = None,
                loss_scaler: Any = None, *, config_params: Any = None, args: Any = None,

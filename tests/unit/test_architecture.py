@@ -35,7 +35,8 @@ ALLOWED: Dict[str, Set[str]] = {
     "compat": {"config", "engine", "data", "profiling"},
     **{alias: {"compat"} for alias in ("comm", "accelerator", "zero", "checkpointing", "runtime",
                                        "utils", "moe")},
-    "": {"config", "engine", "data", "profiling", "lm", "models", "tracking", "compat"},
+    "": {"config", "engine", "data", "profiling", "lm", "models", "tracking", "compat", "comm",
+         "accelerator", "zero", "checkpointing", "runtime", "utils", "moe"},
 }
 # Third-party packages only one part of hybrid_ray may import.
 OWNERS = {"ray": "cluster", "mlflow": "tracking"}
