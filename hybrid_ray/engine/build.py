@@ -112,6 +112,7 @@ NO_EFFECT_KEYS = {  # accepted for DeepSpeed compatibility; what our design does
     "dump_state": "use engine.memory_breakdown()",
     "zero_optimization.offload_optimizer.buffer_count": "masters live whole in host memory (nvme only)",
     "zero_optimization.offload_optimizer.fast_init": "host state is created in bulk already (nvme only)",
+    "zero_optimization.offload_optimizer.ratio": "an offloaded optimizer keeps all its state on the host",
 }
 
 
