@@ -22,6 +22,7 @@ import torch
 
 from ..config import NotSupportedError
 from ..engine import Engine
+from .zero_init import check_mics_shard_size
 
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -35,6 +36,7 @@ class DeepSpeedEngine(Engine):
 
     def __init__(self, *args: Any, print_steps: bool = True, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        check_mics_shard_size(self.config.zero_optimization.mics_shard_size, self.topology.world_size)
         self.print_steps = print_steps
         self._manual_boundary: Optional[bool] = None
         self._in_no_sync = False

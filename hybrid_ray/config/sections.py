@@ -126,6 +126,15 @@ class ZeroConfig:
     """Elements per optimizer-step sub-group (bounds temporary memory)."""
     round_robin_gradients: bool = False
     """Stage 1/2: spread gradient copies across ranks round-robin."""
+    mics_shard_size: int = checked(-1, ge=-1)
+    """MiCS: shard parameters over groups of this many ranks, replicated across groups; -1 off.
+    Only the whole data-parallel world is supported (the same partitioning as ZeRO-3); another
+    size is refused when the engine starts (hybrid_ray/compat/zero_init.py)."""
+    mics_hierarchical_params_gather: bool = False
+    """MiCS: gather parameters node by node. No effect here (one flat all-gather)."""
+    stage3_model_persistence_threshold: Optional[int] = checked(None, ge=0)
+    """Stage 3: cap on the elements kept gathered as persistent small parameters (None: no cap).
+    No effect here: stage3_param_persistence_threshold alone decides."""
     zero_hpz_partition_size: int = checked(1, ge=1)
     """ZeRO++ hierarchical partitioning: ranks holding a secondary parameter copy; must be 1
     (not supported)."""
