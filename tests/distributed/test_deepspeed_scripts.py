@@ -71,3 +71,14 @@ def test_small_model_debugging_test_model(tmp_path: Path) -> None:
     losses = [float(x) for x in re.findall(r"^LOSS: ([0-9.]+)$", out, re.M)]
     assert len(losses) == 1 and 7.0 < losses[0] < 10.0, out[-3000:]  # ln(4096) = 8.3
     assert "[Rank 0] step=1, skipped=0" in out, out[-3000:]
+
+
+# DeepSpeed tests/small_model_debugging/test_mics_config.py: zero.MiCS_Init + ZeRO 3 at 2 ranks,
+# mics_shard_size 2 (the whole world: ZeRO-3's partitioning); 6 steps, then its own break.
+def test_small_model_debugging_mics(tmp_path: Path) -> None:
+    out = _run("ds_test_mics_config.py", ["--mics_shard_size", "2"], 2, tmp_path)
+    losses = [float(x) for x in re.findall(r"^LOSS: ([0-9.]+)$", out, re.M)]
+    assert len(losses) == 6 and all(2.0 < x < 5.0 for x in losses), out[-3000:]  # ln(32) = 3.47
+    assert "[Rank 0] step=6, skipped=0" in out, out[-3000:]
+    with pytest.raises(AssertionError, match="mics_shard_size: not supported yet; got 1"):
+        _run("ds_test_mics_config.py", ["--mics_shard_size", "1"], 2, tmp_path)
