@@ -138,6 +138,10 @@ class DeepSpeedEngine(Engine):
               f"mom={self.get_mom()}, loss_scale={self.loss_scale:g}", flush=True)
 
     # ---- saving -----------------------------------------------------------------------
+    def destroy(self) -> None:
+        """DeepSpeed's engine.destroy(): release the engine's hooks and buffers (Engine.close)."""
+        self.close()
+
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:
         """torch.save the whole model's state_dict in the training dtype (fp16/bf16; fp32 when

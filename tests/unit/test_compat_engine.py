@@ -157,3 +157,17 @@ def test_mpu_with_model_parallelism_is_refused() -> None:
     with pytest.raises(NotSupportedError, match="mpu"):
         deepspeed.initialize(model=model(), config=CFG, mpu=mpu)
     os.environ.pop("LOCAL_RANK", None)
+
+
+def test_destroy_releases_the_engine() -> None:
+    import hybrid_ray as deepspeed
+
+    net = nn.Linear(4, 2)
+    engine, *_ = deepspeed.initialize(model=net, config={
+        "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 0.1}}})
+    loss = engine(torch.randn(2, 4)).sum()
+    engine.backward(loss)
+    engine.step()
+    w = net.weight.detach().clone()
+    engine.destroy()
+    assert torch.equal(net.weight.detach(), w)
