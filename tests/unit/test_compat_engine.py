@@ -171,3 +171,12 @@ def test_destroy_releases_the_engine() -> None:
     w = net.weight.detach().clone()
     engine.destroy()
     assert torch.equal(net.weight.detach(), w)
+
+
+def test_step_after_a_direct_loss_backward_is_refused() -> None:
+    net = nn.Linear(4, 2)
+    engine, *_ = deepspeed.initialize(model=net, config={
+        "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 0.1}}})
+    engine(torch.randn(2, 4)).sum().backward()  # PyTorch-style: bypasses the engine
+    with pytest.raises(NotSupportedError, match="direct loss.backward"):
+        engine.step()
