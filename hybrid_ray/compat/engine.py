@@ -147,6 +147,26 @@ class DeepSpeedEngine(Engine):
               f"mom={self.get_mom()}, loss_scale={self.loss_scale:g}", flush=True)
 
     # ---- saving -----------------------------------------------------------------------
+    def compile(self, backend: Optional[str] = None, compile_kwargs: Optional[dict] = None,
+                schedule: Any = None, compiled_autograd_enabled: bool = False) -> None:
+        """DeepSpeed's engine.compile(): torch.compile the module in place
+        (`module.compile(backend=..., **compile_kwargs)`), once. DeepCompile's `schedule` and
+        compiled autograd are not supported."""
+        if schedule is not None or compiled_autograd_enabled:
+            raise NotSupportedError("engine.compile(schedule=, compiled_autograd_enabled=True): "
+                                    "DeepCompile is not supported; call engine.compile() without them")
+        if getattr(self, "_is_compiled", False):
+            return
+        from .accelerator import get_accelerator
+        kwargs = dict(compile_kwargs or {})
+        kwargs["backend"] = backend if backend is not None else get_accelerator().get_compile_backend()
+        self.module.compile(**kwargs)
+        self._is_compiled = True
+
+    @property
+    def is_compiled(self) -> bool:
+        return getattr(self, "_is_compiled", False)
+
     def destroy(self) -> None:
         """DeepSpeed's engine.destroy(): release the engine's hooks and buffers (Engine.close)."""
         self.close()
