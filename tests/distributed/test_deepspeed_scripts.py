@@ -5,6 +5,7 @@ Each run must exit 0 and, where the script prints losses over several steps, the
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -82,3 +83,40 @@ def test_small_model_debugging_mics(tmp_path: Path) -> None:
     assert "[Rank 0] step=6, skipped=0" in out, out[-3000:]
     with pytest.raises(AssertionError, match="mics_shard_size: not supported yet; got 1"):
         _run("ds_test_mics_config.py", ["--mics_shard_size", "1"], 2, tmp_path)
+
+
+# DeepSpeed tests/torch_compile/test_compile.py: initialize(args=) from --deepspeed_config (its
+# ds_config_z2.json / ds_config_z3.json: bf16, WarmupLR, gradient clipping), engine.compile(),
+# 100 steps, then its table of dynamo graph breaks. ZeRO 2 at one plain process, ZeRO 3 at 2 ranks.
+def _compile_config(stage: int) -> dict:  # tests/torch_compile/ds_config_z{2,3}.json, verbatim
+    zero = {"stage": 2, "overlap_comm": False, "contiguous_gradients": False}
+    if stage == 3:
+        zero = {"stage": 3, "reduce_scatter": True, "overlap_comm": False, "contiguous_gradients": False}
+    return {"train_batch_size": 8, "steps_per_print": 2000,
+            "optimizer": {"type": "Adam", "params": {"lr": 0.001, "betas": [0.8, 0.999], "eps": 1e-8,
+                                                     "weight_decay": 3e-7}},
+            "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 0.001,
+                                                         "warmup_num_steps": 1000}},
+            "gradient_clipping": 1.0, "prescale_gradients": False, "bf16": {"enabled": True},
+            "wall_clock_breakdown": False, "zero_optimization": zero}
+
+
+@pytest.mark.parametrize("ranks,stage", [(0, 2), (2, 3)])
+def test_torch_compile_script(tmp_path: Path, ranks: int, stage: int) -> None:
+    (tmp_path / "ds_config.json").write_text(json.dumps(_compile_config(stage)))
+    out = _run("ds_torch_compile.py", ["--deepspeed_config", str(tmp_path / "ds_config.json")], ranks,
+               tmp_path)
+    assert re.search(r"^step=90$", out, re.M) and "dynamo_output | Total |" in out, out[-3000:]
+
+
+# DeepSpeed tests/small_model_debugging/partial_offload_test.py: fp16, ZeRO 2 with CPU optimizer
+# offload (its partial-offload ratio 0.3 is accepted: everything is offloaded), three 256-sample
+# steps. Its model (4 x Linear(4096, 4096) in fp16, fixed in code) needs about 5 minutes on two
+# shared cores: run with HYBRID_RAY_LONG_SCRIPTS=1.
+@pytest.mark.skipif(os.environ.get("HYBRID_RAY_LONG_SCRIPTS") != "1",
+                    reason="about 5 minutes on 2 cores; set HYBRID_RAY_LONG_SCRIPTS=1")
+def test_small_model_debugging_partial_offload(tmp_path: Path) -> None:
+    out = _run("ds_partial_offload_test.py", ["--zero", "2"], 1, tmp_path, timeout=900)
+    losses = [float(x) for x in re.findall(r"^LOSS: ([0-9.]+)$", out, re.M)]
+    assert len(losses) == 3 and all(7.0 < x < 10.0 for x in losses), out[-3000:]
+    assert "[Rank 0] step=3, skipped=0" in out and "offload_optimizer.ratio=0.3" in out, out[-3000:]
