@@ -42,8 +42,8 @@ def initialize(model: nn.Module, model_parameters: Any = None, config: Any = Non
     (add_config_arguments adds the flag); both only when they load to the same config.
     args.local_rank must match LOCAL_RANK. optimizer / lr_scheduler: an instance, or DeepSpeed's
     callables (params -> optimizer, optimizer -> scheduler). The process group comes from the
-    environment; `dist_init_required` and `distributed_port` are accepted for DeepSpeed's
-    signature. mpu: refused unless its model-parallel world size is 1. print_steps: DeepSpeed's
+    environment, joined through init_distributed as DeepSpeed does (a launcher's group of one
+    too); `dist_init_required=False` skips that. mpu: refused unless its model-parallel world size is 1. print_steps: DeepSpeed's
     progress line every steps_per_print steps (off for callers that print their own, such as
     the LM job).
     """
@@ -53,6 +53,9 @@ def initialize(model: nn.Module, model_parameters: Any = None, config: Any = Non
         raise ConfigError("config, config_params: contradiction; got both; pass one")
     config = config_from_args(args, config if config is not None else config_params)
     _check_mpu(mpu)
+    if topology is None:  # DeepSpeed's initialize joins the launcher's process group first
+        init_distributed(dist_init_required=dist_init_required,
+                         distributed_port=distributed_port if distributed_port is not None else 29500)
     if isinstance(optimizer, torch.optim.Optimizer) or optimizer is None:
         client_optimizer = optimizer
     elif callable(optimizer):  # DeepSpeed's optimizer callable: built over the model parameters

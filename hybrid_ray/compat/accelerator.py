@@ -50,6 +50,10 @@ class Accelerator:
     def is_available(self) -> bool:
         return True  # the CPU always is; with CUDA, torch found a GPU
 
+    def get_compile_backend(self) -> str:
+        """torch.compile's backend for this device, as DeepSpeed's accelerators answer."""
+        return "inductor"
+
     def is_synchronized_device(self) -> bool:
         """True when work runs in program order (the CPU), so synchronize() is a no-op."""
         return not self._cuda

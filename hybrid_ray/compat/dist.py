@@ -55,9 +55,13 @@ def init_distributed(dist_backend: Optional[str] = None, auto_mpi_discovery: boo
     if is_initialized() or dist_init_required is False:
         return
     world = world_size if world_size > 0 else int(os.environ.get("WORLD_SIZE", "1"))
-    if world <= 1 and init_method is None:
+    # A launcher (torchrun, deepspeed) sets all of these, at any world size: DeepSpeed then
+    # joins a process group even of one, and scripts call torch.distributed on it directly.
+    launched = all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+    if world <= 1 and init_method is None and not launched:
         return
-    if dist_backend is None and init_method is None and rank < 0 and world_size < 0:
+    if (world > 1 and dist_backend is None and init_method is None and rank < 0
+            and world_size < 0):
         Topology.from_environment(timeout_s=timeout.total_seconds())
         return
     backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")

@@ -22,6 +22,7 @@ import torch
 
 from ..config import NotSupportedError
 from ..engine import Engine
+from .zero_init import check_mics_shard_size
 
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -35,6 +36,7 @@ class DeepSpeedEngine(Engine):
 
     def __init__(self, *args: Any, print_steps: bool = True, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        check_mics_shard_size(self.config.zero_optimization.mics_shard_size, self.topology.world_size)
         self.print_steps = print_steps
         self._manual_boundary: Optional[bool] = None
         self._in_no_sync = False
@@ -123,6 +125,15 @@ class DeepSpeedEngine(Engine):
         if self._in_no_sync:
             raise RuntimeError("engine.step() inside no_sync(): leave the context, run the last "
                                "backward (which reduces the gradients), then step")
+        if (not self._window_open and self.is_gradient_accumulation_boundary()
+                and any(p.grad is not None for p in self.module.parameters())):
+            # A direct loss.backward() fills the module's .grad and bypasses the engine: no loss
+            # scaling, no reduction, nothing reaches the fp32 masters, so the step would change
+            # nothing. Newer DeepSpeed supports it through autograd hooks; refuse it loudly.
+            raise NotSupportedError(
+                "engine.step() after a direct loss.backward(): not supported; the gradients never "
+                "reached the engine (no loss scaling, no reduction, no update); call "
+                "engine.backward(loss) instead")
         before = self.global_steps
         super().step()
         if self.global_steps != before:
@@ -136,6 +147,30 @@ class DeepSpeedEngine(Engine):
               f"mom={self.get_mom()}, loss_scale={self.loss_scale:g}", flush=True)
 
     # ---- saving -----------------------------------------------------------------------
+    def compile(self, backend: Optional[str] = None, compile_kwargs: Optional[dict] = None,
+                schedule: Any = None, compiled_autograd_enabled: bool = False) -> None:
+        """DeepSpeed's engine.compile(): torch.compile the module in place
+        (`module.compile(backend=..., **compile_kwargs)`), once. DeepCompile's `schedule` and
+        compiled autograd are not supported."""
+        if schedule is not None or compiled_autograd_enabled:
+            raise NotSupportedError("engine.compile(schedule=, compiled_autograd_enabled=True): "
+                                    "DeepCompile is not supported; call engine.compile() without them")
+        if getattr(self, "_is_compiled", False):
+            return
+        from .accelerator import get_accelerator
+        kwargs = dict(compile_kwargs or {})
+        kwargs["backend"] = backend if backend is not None else get_accelerator().get_compile_backend()
+        self.module.compile(**kwargs)
+        self._is_compiled = True
+
+    @property
+    def is_compiled(self) -> bool:
+        return getattr(self, "_is_compiled", False)
+
+    def destroy(self) -> None:
+        """DeepSpeed's engine.destroy(): release the engine's hooks and buffers (Engine.close)."""
+        self.close()
+
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:
         """torch.save the whole model's state_dict in the training dtype (fp16/bf16; fp32 when

@@ -259,3 +259,32 @@ def _registering(init: Init, original):
             init._mode.settle()
             init._partition(param)
     return register_parameter
+
+
+def check_mics_shard_size(shard_size: int, world: int) -> None:
+    """MiCS with one shard group spanning the data-parallel world is ZeRO-3's partitioning; a
+    smaller group (parameters replicated across groups) is not implemented."""
+    if shard_size not in (-1, world):
+        raise NotSupportedError(
+            f"zero_optimization.mics_shard_size: not supported yet; got {shard_size} at data-parallel "
+            f"world size {world}; allowed: -1 or {world} (MiCS over the whole world, which is ZeRO-3; "
+            "replicated shard groups are not implemented)")
+
+
+class MiCS_Init(Init):
+    """DeepSpeed's `zero.MiCS_Init`: a zero.Init whose shard group is mics_shard_size ranks.
+    Supported where that is the whole data-parallel world (then it is zero.Init exactly)."""
+
+    def __init__(self, module: Optional[nn.Module] = None, data_parallel_group=None,
+                 sequence_data_parallel_group=None, mem_efficient_linear: bool = True,
+                 remote_device: Optional[str] = None, pin_memory: bool = False,
+                 config_dict_or_path: Any = None, config: Any = None, enabled: bool = True,
+                 dtype: Optional[torch.dtype] = None, mpu: Any = None, **kwargs: Any):
+        super().__init__(module=module, data_parallel_group=data_parallel_group,
+                         mem_efficient_linear=mem_efficient_linear, remote_device=remote_device,
+                         pin_memory=pin_memory, config_dict_or_path=config_dict_or_path,
+                         config=config, enabled=enabled, dtype=dtype, mpu=mpu, **kwargs)
+        source = config_dict_or_path if config_dict_or_path is not None else config
+        if source is not None:
+            world = dist.get_world_size(self.group) if self.group is not None else 1
+            check_mics_shard_size(load_config(source).zero_optimization.mics_shard_size, world)

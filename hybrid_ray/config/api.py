@@ -94,6 +94,12 @@ def _check_supported(cfg: Config) -> None:
             zero.offload_optimizer.device, "allowed: 'none', 'cpu' (nvme offload is planned)")
     _refuse(zero.offload_param.device != "none", "zero_optimization.offload_param.device",
             zero.offload_param.device, "allowed: 'none' (parameter offload is planned)")
+    _refuse(zero.zero_hpz_partition_size > 1, "zero_optimization.zero_hpz_partition_size",
+            zero.zero_hpz_partition_size, "allowed: 1 (ZeRO++ hierarchical partitioning is not "
+            "supported)")
+    for key in ("zero_quantized_weights", "zero_quantized_gradients"):
+        _refuse(getattr(zero, key), f"zero_optimization.{key}", True,
+                "allowed: false (ZeRO++ quantized communication is not supported)")
     _refuse(ac.partition_activations, "activation_checkpointing.partition_activations",
             ac.partition_activations, "allowed: false (partitioning activations across ranks "
             "needs tensor parallelism, which is planned)")

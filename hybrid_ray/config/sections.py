@@ -84,6 +84,10 @@ class OffloadConfig:
     """Initialise offloaded optimizer state in bulk (nvme)."""
     delayed_param_update: bool = False
     """Overlap the CPU optimizer step with the next forward (updates land one step late)."""
+    ratio: float = checked(1.0, gt=0, le=1)
+    """DeepSpeed's partial offload (ZeRO-3): the fraction of optimizer state kept on the host.
+    No effect here: an offloaded optimizer keeps all of its state on the host (the same
+    update)."""
 
 
 @dataclass(frozen=True)
@@ -122,6 +126,22 @@ class ZeroConfig:
     """Elements per optimizer-step sub-group (bounds temporary memory)."""
     round_robin_gradients: bool = False
     """Stage 1/2: spread gradient copies across ranks round-robin."""
+    mics_shard_size: int = checked(-1, ge=-1)
+    """MiCS: shard parameters over groups of this many ranks, replicated across groups; -1 off.
+    Only the whole data-parallel world is supported (the same partitioning as ZeRO-3); another
+    size is refused when the engine starts (hybrid_ray/compat/zero_init.py)."""
+    mics_hierarchical_params_gather: bool = False
+    """MiCS: gather parameters node by node. No effect here (one flat all-gather)."""
+    stage3_model_persistence_threshold: Optional[int] = checked(None, ge=0)
+    """Stage 3: cap on the elements kept gathered as persistent small parameters (None: no cap).
+    No effect here: stage3_param_persistence_threshold alone decides."""
+    zero_hpz_partition_size: int = checked(1, ge=1)
+    """ZeRO++ hierarchical partitioning: ranks holding a secondary parameter copy; must be 1
+    (not supported)."""
+    zero_quantized_weights: bool = False
+    """ZeRO++ quantized weight all-gather; must stay false (not supported)."""
+    zero_quantized_gradients: bool = False
+    """ZeRO++ quantized gradient reduction; must stay false (not supported)."""
 
     def validate(self, path: str) -> None:
         """Optimizer offload moves the sharded optimizer's state: there is none at stage 0."""

@@ -112,6 +112,9 @@ NO_EFFECT_KEYS = {  # accepted for DeepSpeed compatibility; what our design does
     "dump_state": "use engine.memory_breakdown()",
     "zero_optimization.offload_optimizer.buffer_count": "masters live whole in host memory (nvme only)",
     "zero_optimization.offload_optimizer.fast_init": "host state is created in bulk already (nvme only)",
+    "zero_optimization.mics_hierarchical_params_gather": "parameters are gathered in one flat all-gather",
+    "zero_optimization.stage3_model_persistence_threshold": "stage3_param_persistence_threshold alone decides",
+    "zero_optimization.offload_optimizer.ratio": "an offloaded optimizer keeps all its state on the host",
 }
 
 

@@ -157,3 +157,43 @@ def test_mpu_with_model_parallelism_is_refused() -> None:
     with pytest.raises(NotSupportedError, match="mpu"):
         deepspeed.initialize(model=model(), config=CFG, mpu=mpu)
     os.environ.pop("LOCAL_RANK", None)
+
+
+def test_destroy_releases_the_engine() -> None:
+    import hybrid_ray as deepspeed
+
+    net = nn.Linear(4, 2)
+    engine, *_ = deepspeed.initialize(model=net, config={
+        "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 0.1}}})
+    loss = engine(torch.randn(2, 4)).sum()
+    engine.backward(loss)
+    engine.step()
+    w = net.weight.detach().clone()
+    engine.destroy()
+    assert torch.equal(net.weight.detach(), w)
+
+
+def test_step_after_a_direct_loss_backward_is_refused() -> None:
+    net = nn.Linear(4, 2)
+    engine, *_ = deepspeed.initialize(model=net, config={
+        "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 0.1}}})
+    engine(torch.randn(2, 4)).sum().backward()  # PyTorch-style: bypasses the engine
+    with pytest.raises(NotSupportedError, match="direct loss.backward"):
+        engine.step()
+
+
+def test_compile_compiles_the_module_once() -> None:
+    net = nn.Linear(4, 2)
+    engine, *_ = deepspeed.initialize(model=net, config={
+        "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 0.1}}})
+    assert not engine.is_compiled
+    engine.compile(backend="eager")
+    engine.compile(backend="eager")  # a second call is a no-op, as in DeepSpeed
+    assert engine.is_compiled and net._compiled_call_impl is not None
+    w = net.weight.detach().clone()
+    engine.backward(engine(torch.randn(2, 4)).sum())
+    engine.step()
+    assert not torch.equal(net.weight.detach(), w)
+    with pytest.raises(NotSupportedError, match="DeepCompile"):
+        engine.compile(schedule=[])
+    assert deepspeed.accelerator.get_accelerator().get_compile_backend() == "inductor"
