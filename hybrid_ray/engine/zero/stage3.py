@@ -116,6 +116,10 @@ class Unit:
 
     def wait(self) -> None:
         self.gather()
+        self.drain()
+
+    def drain(self) -> None:
+        """Wait for the all-gathers in flight, if any."""
         for w in self.works:
             w.wait()
         self.works.clear()
@@ -123,9 +127,7 @@ class Unit:
     def release(self) -> None:
         if not self.gathered:
             return
-        for w in self.works:  # never free memory a collective still writes into
-            w.wait()
-        self.works.clear()
+        self.drain()  # never free memory a collective still writes into
         for s in self.spaces:
             empty = torch.empty(0, dtype=s.dtype, device=s.device)
             for p in s.params:
@@ -229,6 +231,11 @@ class Stage3Controller:
         """Units whose parameters got no gradient, and the root, are released here."""
         for unit in self.units + ([self.root] if self.root else []):
             unit.release()
+
+    def drain(self) -> None:
+        """Wait for every all-gather in flight (a prefetched unit that never ran holds one)."""
+        for unit in self.units + ([self.root] if self.root else []):
+            unit.drain()
 
     def remove(self) -> None:
         for h in self._handles:
