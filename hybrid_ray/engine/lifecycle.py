@@ -33,7 +33,7 @@ from typing import Any, Optional
 
 log = logging.getLogger("hybrid_ray")
 
-# What an engine holds that references its process group; removed by release().
+# What an engine holds that references its process group; dropped by _release().
 HOLDS_GROUP = ("reducer", "zero", "stage3", "checkpointer")
 
 _live: "weakref.WeakSet[Any]" = weakref.WeakSet()
