@@ -167,10 +167,6 @@ class DeepSpeedEngine(Engine):
     def is_compiled(self) -> bool:
         return getattr(self, "_is_compiled", False)
 
-    def destroy(self) -> None:
-        """DeepSpeed's engine.destroy(): release the engine's hooks and buffers (Engine.close)."""
-        self.close()
-
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:
         """torch.save the whole model's state_dict in the training dtype (fp16/bf16; fp32 when

@@ -2,7 +2,8 @@
 
 Callers outside the engine import these names from here; the modules below are its parts:
 
-    engine.py                 the Engine facade (accessors.py: DeepSpeed-compatible getters)
+    engine.py                 the Engine facade (accessors.py: DeepSpeed-compatible getters;
+                              lifecycle.py: close, destroy, `with engine:`, interpreter exit)
     build.py                  the assembly steps of `hybrid_ray.initialize`
     topology.py               Topology: this process's place in the data-parallel group
     precision.py              dtypes per module (FP16Layer, FP16Module, norms in fp32)

@@ -11,7 +11,8 @@ A training loop reads like DeepSpeed's:
 The parts live elsewhere: precision.py decides dtypes per module; zero/ lays parameters out in
 flat buckets (flat.py), moves gradients into fp32 master shards (reducer.py), steps the optimizer
 and gathers parameters back (optimizer.py); loss_scaler.py scales fp16 losses; checkpoint/ saves
-and loads the TrainState; accessors.py holds the DeepSpeed-compatible getters.
+and loads the TrainState; accessors.py holds the DeepSpeed-compatible getters; lifecycle.py
+close(), destroy() and `with engine:`.
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ from .loss_scaler import LossScaler, NoLossScaler, build_loss_scaler
 from .zero.offload import HostOffload
 from .precision import HALF, PrecisionPolicy, autocast_region, cast_floating, dtype_of
 from .flops.profiler import StepProfiler
+from .lifecycle import EngineLifecycle, track
 from .zero.reducer import GradReducer, ReduceOptions
 from .schedulers import build_scheduler
 from .topology import Topology
@@ -48,7 +50,7 @@ class NonFiniteGradientError(RuntimeError):
     """Too many consecutive steps had inf/NaN gradients in a run without dynamic loss scaling."""
 
 
-class Engine(DeepSpeedAccessors):
+class Engine(EngineLifecycle, DeepSpeedAccessors):
     """Wraps a model for mixed-precision, ZeRO-sharded data-parallel training."""
 
     def __init__(self, model: nn.Module, config: Any, model_parameters: Any = None,
@@ -84,6 +86,7 @@ class Engine(DeepSpeedAccessors):
         self.flops_profiler = StepProfiler(self.config.flops_profiler, self.module,
                                            self.topology.rank, self.topology.device.type)
         self._note_no_effect_settings()
+        track(self)  # released at interpreter exit if still alive (lifecycle.py)
 
     # ---- construction -----------------------------------------------------------------
     def _build_precision(self, base: str) -> None:
@@ -286,30 +289,6 @@ class Engine(DeepSpeedAccessors):
     def _log(self, msg: str, level: int = logging.INFO) -> None:
         if self.topology.rank == 0:
             log.log(level, msg)
-
-    def close(self) -> None:
-        """Detach the engine from the model: remove its hooks, drop its buffers and group.
-
-        The model keeps its current weights (as views of the engine's flat buffers). Call before
-        `dist.destroy_process_group()` when an engine is rebuilt in a live process (elastic
-        resizes, precision switches do this internally). Collective when a delayed parameter
-        update is still in flight (it lands first): every rank calls it. A checkpoint save in
-        flight is waited for first; its error is raised once the engine is closed.
-        """
-        try:
-            self.checkpointer.close()
-        finally:
-            self.flops_profiler.close()
-            self.zero.close()
-            self.checkpointing.remove()
-            self._remove_hooks()
-            self.reducer.grads.clear()
-
-    def _remove_hooks(self) -> None:
-        self.precision_plan.remove()
-        self.reducer.remove_hooks()
-        if self.stage3 is not None:
-            self.stage3.remove()
 
     def zero_grad(self) -> None:
         """Clear accumulated gradients (the engine also does this at each window's start)."""

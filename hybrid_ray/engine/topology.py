@@ -14,6 +14,14 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+if dist.is_available():
+    # torch.distributed.nn.functional binds `group.WORLD` as a default argument at import. The
+    # first torch optimizer imports it (through torch._dynamo); after init_process_group that
+    # pins the world group until interpreter teardown, gloo's threads running on past
+    # destroy_process_group(). Imported with this package, before a script starts its group,
+    # those defaults are None.
+    import torch.distributed.nn.functional  # noqa: F401
+
 
 @dataclass(frozen=True)
 class Topology:

@@ -1,6 +1,9 @@
 """Asynchronous saves in one process: snapshot semantics, ordering, errors, parts, data position."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -209,3 +212,31 @@ def test_host_buffers_share_one_allocation_and_are_reused() -> None:
     buffers.reserve("params", specs[:1])  # another layout: a new allocation, the old keys gone
     assert buffers.copy("a", torch.zeros(3, 5)).data_ptr() != a.data_ptr()
     assert "b" not in buffers._buffers
+
+
+SAVE_AT_EXIT = """
+import sys, time
+import torch
+from hybrid_ray.engine.checkpoint import storage as cio
+from tests.unit.test_checkpoint import make, train
+real = cio.write_tensors
+def slow(*args, **kwargs):
+    time.sleep(0.5)  # the script has ended meanwhile: the interpreter is shutting down
+    return real(*args, **kwargs)
+cio.write_tensors = slow
+engine = make()
+train(engine, range(1))
+engine.save_checkpoint(sys.argv[1], async_save=True)
+"""
+
+
+def test_a_save_in_flight_when_the_script_ends_is_committed(tmp_path: Path) -> None:
+    # The interpreter waits for the save's thread at shutdown; its file writers must still run
+    # then (concurrent.futures refuses new work by that point, and the save was lost).
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", SAVE_AT_EXIT, str(tmp_path)], cwd=repo, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (tmp_path / "latest").read_text() == "global_step1", sorted(p.name for p in tmp_path.iterdir())
+    assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]

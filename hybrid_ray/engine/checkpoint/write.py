@@ -102,9 +102,38 @@ def write_files(job: SaveJob) -> Entries:
     names += sorted(job.byte_files)
     if len(names) <= 1 or job.settings.write_threads == 1:
         return dict(_write_one(job, n) for n in names)
-    with cf.ThreadPoolExecutor(min(job.settings.write_threads, len(names)),
-                               thread_name_prefix="hybrid_ray-ckpt-write") as pool:
-        return dict(pool.map(lambda n: _write_one(job, n), names))
+    return dict(_in_threads(lambda n: _write_one(job, n), names, job.settings.write_threads))
+
+
+def _in_threads(fn: Callable[[str], Any], items: List[str], threads: int) -> List[Any]:
+    """[fn(item) for item in items] on up to `threads` threads; the first error is raised.
+
+    Plain threads, not concurrent.futures: a save still in flight when the script ends is
+    waited for at interpreter shutdown, where concurrent.futures already refuses new work
+    ("cannot schedule new futures after interpreter shutdown"), and that checkpoint was lost.
+    """
+    n = min(threads, len(items))
+    results: Dict[int, Any] = {}
+    errors: List[BaseException] = []
+
+    def work(k: int) -> None:
+        for i in range(k, len(items), n):  # largest first, dealt out in turn
+            if errors:
+                return
+            try:
+                results[i] = fn(items[i])
+            except BaseException as e:  # noqa: BLE001 - raised on the calling thread below
+                errors.append(e)
+                return
+    pool = [threading.Thread(target=work, args=(k,), name=f"hybrid_ray-ckpt-write-{k}")
+            for k in range(n)]
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join()
+    if errors:
+        raise errors[0]
+    return [results[i] for i in range(len(items))]
 
 
 def _marker(rank: int) -> str:

@@ -221,10 +221,15 @@ class GradReducer:
                     if g.pending.get(b.index, 0) > 0:
                         g.pending[b.index] = 0
                         self._launch(g, b)
-        for finish in self._inflight:
-            finish()
-        self._inflight.clear()
+        self.drain()
         self._armed = False
+
+    def drain(self) -> None:
+        """Finish every collective still in flight (a backward cut short by an error leaves
+        some; the engine's destroy() calls this before it drops the group)."""
+        inflight, self._inflight = self._inflight, []
+        for finish in inflight:
+            finish()
 
     def finish_window(self) -> None:
         """Single rank: the master gradient is the flat gradient, cast to fp32."""

@@ -127,6 +127,10 @@ class Unit:
 
     def wait(self) -> None:
         self.gather()
+        self.drain()
+
+    def drain(self) -> None:
+        """Wait for the all-gathers in flight, if any."""
         for w in self.works:
             w.wait()
         self.works.clear()
@@ -134,9 +138,7 @@ class Unit:
     def release(self) -> None:
         if not self.gathered:
             return
-        for w in self.works:  # never free memory a collective still writes into
-            w.wait()
-        self.works.clear()
+        self.drain()  # never free memory a collective still writes into
         for s in self.spaces:
             empty = torch.empty(0, dtype=s.dtype, device=s.device)
             for p in s.params:
@@ -162,43 +164,41 @@ class Stage3Controller:
 
     # ---- hooks ----------------------------------------------------------------------
     def _install(self, unit: Unit) -> None:
-        ref = weakref.ref(self)  # hooks outlive the engine on the model: hold it weakly
+        # Every hook holds the controller and the unit weakly. The hooks live on the model, and
+        # a parameter's gradient hooks are held from C++, where Python's collector cannot see
+        # them: a hook holding its unit (whose params hold the hook) was a cycle never freed,
+        # not by `del engine` nor at interpreter exit, and it kept the unit's Topology and so
+        # the process group alive past `dist.destroy_process_group()`, with gloo's threads
+        # still running while the process exits.
+        ctl_ref, unit_ref = weakref.ref(self), weakref.ref(unit)
 
         def pre_forward(_m: nn.Module, _args: tuple) -> None:
-            ctl = ref()
-            if ctl is not None:
-                ctl._before_use(unit, forward=True)
+            ctl, u = ctl_ref(), unit_ref()
+            if ctl is not None and u is not None:
+                ctl._before_use(u, forward=True)
 
         def post_forward(_m: nn.Module, _args: tuple, output):
-            ctl = ref()
-            if ctl is None:
+            ctl, u = ctl_ref(), unit_ref()
+            if ctl is None or u is None:
                 return output
             if torch.is_grad_enabled():
-                ctl._hook_outputs(unit, output)
-            unit.release()
+                ctl._hook_outputs(u, output)
+            u.release()
             return output
 
         self._handles.append(unit.module.register_forward_pre_hook(pre_forward))
         self._handles.append(unit.module.register_forward_hook(post_forward))
         for p in unit.params:
-            self._handles.append(p.register_post_accumulate_grad_hook(self._grad_hook(unit)))
-
-    def _grad_hook(self, unit: Unit):
-        # Registered after the reducer's own hook, so when the last parameter's gradient has
-        # been packed into its bucket the whole unit can be released.
-        def hook(_p: torch.Tensor) -> None:
-            unit.pending_grads -= 1
-            if unit.pending_grads == 0:
-                unit.release()
-        return hook
+            self._handles.append(p.register_post_accumulate_grad_hook(_grad_hook(unit_ref)))
 
     def _hook_outputs(self, unit: Unit, output) -> None:
-        ref = weakref.ref(self)
+        # On the outputs' autograd nodes, which live as long as the caller keeps the loss.
+        ctl_ref, unit_ref = weakref.ref(self), weakref.ref(unit)
 
         def pre_backward(grad: torch.Tensor) -> torch.Tensor:
-            ctl = ref()
-            if ctl is not None:
-                ctl._before_use(unit, forward=False)
+            ctl, u = ctl_ref(), unit_ref()
+            if ctl is not None and u is not None:
+                ctl._before_use(u, forward=False)
             return grad
         for t in _tensors(output):
             if t.requires_grad:
@@ -245,12 +245,30 @@ class Stage3Controller:
         for unit in self.units + ([self.root] if self.root else []):
             unit.release()
 
+    def drain(self) -> None:
+        """Wait for every all-gather in flight (a prefetched unit that never ran holds one)."""
+        for unit in self.units + ([self.root] if self.root else []):
+            unit.drain()
+
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles.clear()
         if self.access is not None:
             self.access.detach()
+
+
+def _grad_hook(unit_ref: "weakref.ref[Unit]"):
+    # Registered after the reducer's own hook, so when the last parameter's gradient has been
+    # packed into its bucket the whole unit can be released.
+    def hook(_p: torch.Tensor) -> None:
+        unit = unit_ref()
+        if unit is None:
+            return
+        unit.pending_grads -= 1
+        if unit.pending_grads == 0:
+            unit.release()
+    return hook
 
 
 def _tensors(obj) -> Iterable[torch.Tensor]:
