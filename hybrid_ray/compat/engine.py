@@ -125,7 +125,7 @@ class DeepSpeedEngine(Engine):
         if self._in_no_sync:
             raise RuntimeError("engine.step() inside no_sync(): leave the context, run the last "
                                "backward (which reduces the gradients), then step")
-        if (not self._window_open and self.is_gradient_accumulation_boundary()
+        if (not self.destroyed and not self._window_open and self.is_gradient_accumulation_boundary()
                 and any(p.grad is not None for p in self.module.parameters())):
             # A direct loss.backward() fills the module's .grad and bypasses the engine: no loss
             # scaling, no reduction, nothing reaches the fp32 masters, so the step would change

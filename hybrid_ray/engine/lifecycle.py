@@ -88,6 +88,11 @@ class EngineLifecycle:
         call does nothing. `with engine:` calls it when the block ends."""
         self._end(collective=True)
 
+    @property
+    def destroyed(self) -> bool:
+        """destroy() has run: the engine's training calls fail."""
+        return bool(self.__dict__.get("_destroyed"))
+
     def __enter__(self) -> Any:
         return self
 
