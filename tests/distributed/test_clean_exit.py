@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import collections
 import os
+import random
+import socket
 import subprocess
 import sys
 import time
@@ -24,7 +26,6 @@ from typing import Dict, List, Tuple
 import pytest
 
 from hybrid_ray.engine.topology import loopback_interface
-from tests.distributed.spawn import free_port
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[2]
@@ -37,9 +38,31 @@ TIMEOUT_S = 300
 Run = Tuple[str, List[subprocess.Popen]]
 
 
+_USED: set = set()
+
+
+def rendezvous_port() -> int:
+    """A port below the kernel's ephemeral range, never handed out twice here: a port that
+    free_port() frees comes from that range, and 100 processes' own sockets can take it before
+    rank 0's store binds it (seen once: rank 1 hung connecting to a store that never started)."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    pick = random.SystemRandom()
+    while True:
+        port = pick.randrange(10000, low)
+        if port in _USED:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _USED.add(port)
+        return port
+
+
 def start(mode: str, out: Path) -> Run:
     """Both ranks of one job, as separate processes."""
-    port = free_port()
+    port = rendezvous_port()
     procs = []
     for rank in range(2):
         env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "RANK": str(rank),
