@@ -26,6 +26,7 @@ from hybrid_ray.engine import CheckpointError
 from tests.distributed import spawn
 from tests.distributed.test_checkpoint_commit_kills import ZERO1, KillingFS
 from tests.unit.test_checkpoint import make, state, train
+from tests.unit.test_checkpoint_garbage import RunsCode, _replace_file as _vouch
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
@@ -58,22 +59,6 @@ def load_each(rank: int, world: int, cases: list, out: str) -> None:
         except CheckpointError as e:
             got[case["name"]] = {"error": str(e)}
     Path(f"{out}/rank{rank}.json").write_text(json.dumps(got))
-
-
-class RunsCode:
-    marker = ""
-
-    def __reduce__(self):
-        return (os.system, (f"touch {RunsCode.marker}",))
-
-
-def _vouch(ckpt: Path, name: str, data: bytes, new_name: str) -> None:
-    manifest = json.loads((ckpt / "manifest.json").read_text())
-    entry = manifest["files"].pop(name)
-    (ckpt / name).unlink()
-    (ckpt / new_name).write_bytes(data)
-    manifest["files"][new_name] = {**entry, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
-    (ckpt / "manifest.json").write_text(json.dumps(manifest))
 
 
 def damage(path: Path, how: str) -> None:
