@@ -138,18 +138,22 @@ def test_a_damaged_checkpoint_never_loads_wrong_and_a_good_one_always_loads(tmp_
     assert len(cases) >= 50  # 6 files x 3 kinds of damage x (newest, both), manifests, latest, payloads
 
 
-def mismatched_tags(rank: int, world: int, root: str) -> None:
+def mismatched_places(rank: int, world: int, root: str) -> None:
     engine = make(cfg=ZERO1)
     train(engine, range(1))
     path = engine.save_checkpoint(root, tag=f"loss-{0.5 + rank}")  # per-rank, as loss.item() is
     assert Path(path).name == "loss-0.5"
+    # a directory named after each rank's clock, as HelloDeepSpeed's experiment folder is
+    path = engine.save_checkpoint(f"{root}/exp-{rank}", tag="second")
+    assert Path(path) == Path(root) / "exp-0" / "second"
 
 
-def test_ranks_whose_tags_differ_save_under_rank_0s(tmp_path, caplog):
-    spawn.run(mismatched_tags, 2, str(tmp_path), timeout_s=60)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "loss-0.5"]
+def test_ranks_whose_tags_or_directories_differ_save_under_rank_0s(tmp_path):
+    spawn.run(mismatched_places, 2, str(tmp_path), timeout_s=60)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["exp-0", "latest", "loss-0.5"]
     engine = make(seed=4, cfg=ZERO1)
     assert Path(engine.load_checkpoint(str(tmp_path))[0]).name == "loss-0.5"
+    assert Path(engine.load_checkpoint(str(tmp_path / "exp-0"))[0]).name == "second"
 
 
 def dies_mid_save(rank: int, world: int, root: str, victim: int, out: str) -> None:

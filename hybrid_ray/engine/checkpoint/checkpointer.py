@@ -139,21 +139,23 @@ class Checkpointer:
         if errors:
             raise CheckpointError(errors[0])
 
-    def _agree_on_tag(self, tag: Any) -> Optional[str]:
-        """Rank 0's tag on every rank, before anything is written. A tag computed per rank (say,
-        from the local loss) would otherwise send each rank's files to another directory and
-        leave the commit waiting for files that never come; a warning names who differed."""
-        tag = None if tag is None else str(tag)
+    def _agree_on_place(self, path_or_uri: Any, tag: Any) -> Tuple[str, Optional[str]]:
+        """Rank 0's directory and tag on every rank, before anything is written. Either computed
+        per rank (a tag from the local loss, a directory named after the local clock) would
+        otherwise send each rank's files elsewhere and leave the commit waiting for files that
+        never come; a warning names who differed."""
+        place = (str(path_or_uri), None if tag is None else str(tag))
         if not self._distributed():
-            return tag
-        tags: List[Optional[str]] = [None] * self.topology.world_size
-        dist.all_gather_object(tags, tag, group=self.topology.group)
-        differ = {r: t for r, t in enumerate(tags) if t != tags[0]}
-        if differ and self.topology.rank == 0:
-            self._log(f"checkpoint tags differ between ranks: rank 0 has {tags[0]!r}, "
-                      + ", ".join(f"rank {r} {t!r}" for r, t in differ.items())
-                      + f"; every rank saves under rank 0's", logging.WARNING)
-        return tags[0]
+            return place
+        places: List[Tuple[str, Optional[str]]] = [place] * self.topology.world_size
+        dist.all_gather_object(places, place, group=self.topology.group)
+        for i, what in ((1, "tags"), (0, "directories")):
+            differ = {r: p[i] for r, p in enumerate(places) if p[i] != places[0][i]}
+            if differ and self.topology.rank == 0:
+                self._log(f"checkpoint {what} differ between ranks: rank 0 has {places[0][i]!r}, "
+                          + ", ".join(f"rank {r} {t!r}" for r, t in differ.items())
+                          + f"; every rank saves under rank 0's", logging.WARNING)
+        return places[0]
 
     # ---- the save in flight ------------------------------------------------------------------
     @property
@@ -231,7 +233,8 @@ class Checkpointer:
         the path it will have once committed: `wait()` says when)."""
         prepared = cclient.prepare(client_state)  # every rank checks its own; rank 0's is saved
         ts = self._train_state()
-        tag = check_tag(self._agree_on_tag(tag), ts.counters.global_steps)
+        path_or_uri, tag = self._agree_on_place(path_or_uri, tag)
+        tag = check_tag(tag, ts.counters.global_steps)
         self._settle_previous()
         self._settle()
         async_save = ts.config.checkpoint.async_save if async_save is None else bool(async_save)
