@@ -10,6 +10,7 @@ uniform bf16 model pays for none.
 """
 from __future__ import annotations
 
+import copy
 import functools
 import re
 from dataclasses import dataclass, field
@@ -59,7 +60,14 @@ def _floating_to(obj: Any, dtype: torch.dtype) -> Any:
         cast = [_floating_to(o, dtype) for o in obj]
         return type(obj)(*cast) if hasattr(obj, "_fields") else type(obj)(cast)
     if isinstance(obj, dict):
-        return {k: _floating_to(v, dtype) for k, v in obj.items()}
+        cast = {k: _floating_to(v, dtype) for k, v in obj.items()}
+        if type(obj) is dict:
+            return cast
+        # a dict subclass keeps its type: transformers' ModelOutput is read as `outputs.loss`
+        out = copy.copy(obj)
+        for k, v in cast.items():
+            out[k] = v
+        return out
     return obj
 
 
