@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import List
 
 import pytest
+import torch
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
@@ -22,7 +23,8 @@ SCRIPTS = REPO / "tests" / "deepspeed_scripts"
 
 
 def _run(script: str, args: List[str], ranks: int, cwd: Path, timeout: float = 240) -> str:
-    env = dict(os.environ, OMP_NUM_THREADS="1", RAY_AUTH_MODE="disabled", PYTHONPATH=str(REPO))
+    env = dict(os.environ, OMP_NUM_THREADS="1", RAY_AUTH_MODE="disabled", PYTHONPATH=str(REPO),
+               HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", HF_HOME=str(cwd / "hf"))
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     path = str(SCRIPTS / script)
@@ -53,6 +55,109 @@ def test_cifar10_deepspeed(tmp_path: Path, ranks: int, stage: int) -> None:
     losses = [float(x) for x in re.findall(r"^\[\s*\d+,\s+\d+\] loss:\s+([0-9.]+)$", out, re.M)]
     _falls(losses, out)
     assert "Finished Training" in out and "Accuracy of the network on the 40 test images" in out
+
+
+# DeepSpeedExamples training/HelloDeepSpeed/train_bert_ds.py, the getting-started BERT loop:
+# transformers' Roberta, bf16 or fp16, ZeRO 1 with the optimizer offloaded to the CPU (fixed in its
+# code), save_checkpoint(client_state=) every --checkpoint_every steps and at the end, then a second
+# run with --load_checkpoint_dir resumes from `latest`. Its experiment folder is named after each
+# rank's clock; the engine saves every rank's files under rank 0's.
+def _word_tokenizer(folder: Path) -> Path:
+    """A word-level tokenizer for the script's random text (w0 .. w63), saved as a transformers
+    tokenizer folder: --tokenizer takes one in place of the hub's roberta-base."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    special = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]  # pad 1, as the script's Roberta config
+    vocab = {t: i for i, t in enumerate(special + [f"w{k}" for k in range(64)])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                            unk_token="<unk>", mask_token="<mask>").save_pretrained(str(folder))
+    return folder
+
+
+def _bert_losses(out: str) -> List[float]:
+    return [float(x) for x in re.findall(r"\[Rank 0\] Loss: ([0-9.]+)$", out, re.M)]
+
+
+@pytest.mark.parametrize("ranks,dtype", [(1, "bf16"), (2, "fp16")])
+def test_hello_deepspeed_bert_saves_and_resumes(tmp_path: Path, ranks: int, dtype: str) -> None:
+    script, exp = "hello_deepspeed_train_bert_ds.py", tmp_path / "exp"
+    model = ["--num_layers", "2", "--num_heads", "2", "--h_dim", "64", "--ff_dim", "128",
+             "--max_seq_length", "32", "--batch_size", "8", "--dtype", dtype]
+    first = _run(script, ["--checkpoint_dir", str(exp), "--tokenizer", str(_word_tokenizer(tmp_path / "tok")),
+                          "--num_iterations", "31", "--checkpoint_every", "10", "--log_every", "2", *model],
+                 ranks, tmp_path)
+    a = _bert_losses(first)
+    _falls(a, first)
+    (run,) = exp.iterdir()  # one experiment folder, whatever each rank's clock said
+    assert (run / "latest").read_text() == "global_step30"
+    assert sorted(p.name for p in run.glob("global_step*")) == ["global_step10", "global_step20", "global_step30"]
+    again = _run(script, ["--load_checkpoint_dir", str(run), "--num_iterations", "61", "--log_every", "2"],
+                 ranks, tmp_path)
+    b = _bert_losses(again)
+    # the script resumes at client_state's checkpoint_step + 1 (31 + 1: its last save comes after
+    # the loop's break), from trained weights: its first losses are below where the first run began.
+    # Script steps 32 .. 60 are engine steps 31 .. 59, saved as global_step39, 49, 59.
+    assert len(b) == 15 and b[0] < a[0] - 0.05, (a, b)
+    assert (run / "latest").read_text() == "global_step59"
+    assert "[Rank 0] step=50, skipped=" in again, again[-3000:]
+
+
+# DeepSpeedExamples training/DeepSpeed-SuperOffload/finetune_zero3.py: a transformers causal LM
+# (here a small GPT-2) loaded in bf16, transformers' activation checkpointing (non-reentrant) under
+# ZeRO 3 with the optimizer offloaded (its zerooffload config, verbatim), DeepSpeedCPUAdam handed
+# to initialize(optimizer=, training_data=, collate_fn=), and save_checkpoint at the end (on rank 0
+# only, as the script does: one rank only, a collective save at 2 ranks would wait for rank 1).
+def _gpt_folder(folder: Path) -> Path:
+    from transformers import GPT2Config, GPT2LMHeadModel
+    _word_tokenizer(folder)
+    GPT2LMHeadModel(GPT2Config(vocab_size=69, n_positions=64, n_embd=64, n_layer=2, n_head=2,
+                               bos_token_id=0, eos_token_id=2)).save_pretrained(str(folder))
+    return folder
+
+
+def _zerooffload_config(batch: int) -> dict:  # finetune_llama-8b_1gpu.sh, MODE=zerooffload
+    return {"train_batch_size": batch, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
+            "zero_optimization": {"stage": 3, "overlap_comm": False, "reduce_bucket_size": 4e8,
+                                  "sub_group_size": 4e8,
+                                  "offload_optimizer": {"device": "cpu", "pin_memory": True}},
+            "wall_clock_breakdown": True}
+
+
+def _finetune(tmp_path: Path, ranks: int, *extra: str) -> List[float]:
+    (tmp_path / "ds.json").write_text(json.dumps(_zerooffload_config(4)))
+    folder = tmp_path / "gpt" if (tmp_path / "gpt").exists() else _gpt_folder(tmp_path / "gpt")
+    out = _run("superoffload_finetune_zero3.py",
+               ["--deepspeed_config", str(tmp_path / "ds.json"), "--model_name", str(folder),
+                "--lr", "1e-5", "--batch_size", str(4 // ranks), "--output_dir", str(tmp_path / "out"),
+                "--max_length", "32", "--bench_steps", "16", "--warmup_steps", "2",
+                "--attn_implementation", "sdpa", *extra], ranks, tmp_path)
+    losses = [float(x) for x in re.findall(r" - finetune_zero3 - INFO - Step +\d+ \| Loss: ([0-9.]+)", out)]
+    assert len(losses) == 16, out[-3000:]
+    _falls(losses, out)
+    return losses
+
+
+def test_superoffload_finetune_saves_a_checkpoint_that_converts(tmp_path: Path) -> None:
+    _finetune(tmp_path, 1, "--activation_checkpointing", "--save_checkpoint")
+    from transformers import GPT2LMHeadModel
+    from hybrid_ray.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    state = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path / "out"))
+    model = GPT2LMHeadModel.from_pretrained(str(tmp_path / "gpt"))
+    trained = {k: v for k, v in state.items() if k in dict(model.named_parameters())}
+    assert trained and all(v.dtype == torch.float32 for v in trained.values())
+    # the script loaded the model in bf16: an untrained master equals its bf16 rounding exactly
+    same = [k for k, v in model.named_parameters() if torch.equal(v.detach().bfloat16().float(), trained[k])]
+    assert not same, f"not trained, or not saved: {same}"
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and not missing, (missing, unexpected)
+
+
+def test_superoffload_finetune_activation_checkpointing_changes_no_loss(tmp_path: Path) -> None:
+    # recomputing each block in backward (its parameters gathered again under ZeRO 3) must give
+    # the same numbers as keeping the activations: same seeds, same losses, at 2 ranks
+    assert _finetune(tmp_path, 2, "--activation_checkpointing") == _finetune(tmp_path, 2)
 
 
 # DeepSpeed tests/small_model_debugging/stage3_test.py: a model built under zero.Init(), then a
