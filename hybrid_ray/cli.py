@@ -7,6 +7,7 @@
     hybrid-ray checkpoint inspect PATH   # step, world size, stage, files, checksums
     hybrid-ray checkpoint export PATH OUT [--dtype fp32|bf16]   # model state_dict, offline
     hybrid-ray mlflow sync RUN_DIR       # send the MLflow records a run left in RUN_DIR/mlflow
+    hybrid-ray launch --num_gpus N script.py ARGS   # DeepSpeed scripts, as `deepspeed --num_gpus N`
 
 `config check` takes a plain engine config (DeepSpeed-style JSON) or a job file with an
 "engine" section (jobs/configs/*.json); it builds nothing, so it runs in a second. It refuses
@@ -20,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
-from hybrid_ray import checkpoint_cli, mlflow_cli
+from hybrid_ray import checkpoint_cli, launch_cli, mlflow_cli
 from hybrid_ray.compat.version import __version__
 from hybrid_ray.config import Config, ConfigError, load_config
 from hybrid_ray.config.api import read_json
@@ -32,7 +33,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hybrid-ray", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", action="version", version=f"hybrid-ray {__version__}")
-    sub = p.add_subparsers(dest="command", required=True, metavar="{config,train,checkpoint,mlflow}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{config,train,checkpoint,mlflow,launch}")
     config = sub.add_parser("config", help="work with config files")
     config_sub = config.add_subparsers(dest="action", required=True, metavar="{check}")
     check = config_sub.add_parser("check", help="validate an engine config or a job file")
@@ -51,6 +52,7 @@ def _parser() -> argparse.ArgumentParser:
     train.set_defaults(func=_train)
     checkpoint_cli.add_commands(sub)
     mlflow_cli.add_commands(sub)
+    launch_cli.add_commands(sub)
     return p
 
 

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import datetime
 import os
+import random
 import socket
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
@@ -11,6 +13,28 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from hybrid_ray.engine.topology import gloo_on_loopback
+
+
+_USED: set = set()
+
+
+def rendezvous_port() -> int:
+    """A port below the kernel's ephemeral range, never handed out twice here: a port that
+    free_port() frees comes from that range, and 100 processes' own sockets can take it before
+    rank 0's store binds it (seen once: rank 1 hung connecting to a store that never started)."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    pick = random.SystemRandom()
+    while True:
+        port = pick.randrange(10000, low)
+        if port in _USED:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _USED.add(port)
+        return port
 
 
 def free_port() -> int:
