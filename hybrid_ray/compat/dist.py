@@ -15,7 +15,7 @@ from typing import Any, List, Optional
 import torch
 import torch.distributed as dist
 
-from ..engine import Topology, gloo_on_loopback
+from ..engine import Topology, gloo_on_loopback, lifecycle
 
 ReduceOp = dist.ReduceOp
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)  # torch's default_pg_timeout
@@ -73,6 +73,7 @@ def init_distributed(dist_backend: Optional[str] = None, auto_mpi_discovery: boo
     if world_size > 0:
         kwargs["world_size"] = world_size
     dist.init_process_group(backend, **kwargs)
+    lifecycle.created_default_group()
 
 
 def destroy_process_group(group: Any = None) -> None:

@@ -38,15 +38,31 @@ HOLDS_GROUP = ("reducer", "zero", "stage3", "checkpointer")
 
 _live: "weakref.WeakSet[Any]" = weakref.WeakSet()
 _hooked = False
+_own_default_group = False
+
+
+def created_default_group() -> None:
+    """hybrid_ray has just created torch's default process group (from the environment, or
+    DeepSpeed's init_distributed): at interpreter exit, after the engines are released, it is
+    destroyed too, unless the script did it. DeepSpeed scripts end without
+    `destroy_process_group()`, and a group left to module teardown keeps gloo's threads (with
+    work that holds tensors) running while the interpreter is torn down: SIGABRT at exit."""
+    global _own_default_group
+    _own_default_group = True
+    _hook()
+
+
+def _hook() -> None:
+    global _hooked
+    if not _hooked:
+        atexit.register(release_all)
+        _hooked = True
 
 
 def track(engine: Any) -> None:
     """Release `engine` at interpreter exit if it is still alive then."""
-    global _hooked
     _live.add(engine)
-    if not _hooked:
-        atexit.register(release_all)
-        _hooked = True
+    _hook()
 
 
 def release_all() -> None:
@@ -62,6 +78,18 @@ def release_all() -> None:
         # The error's traceback holds the frames it passed (a checkpointer's, with its group),
         # in a cycle with the future that raised it: collect it while the interpreter is whole.
         gc.collect()
+    if _own_default_group:
+        _destroy_default_group()
+
+
+def _destroy_default_group() -> None:
+    import torch.distributed as dist
+
+    try:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()  # local: no collective, a peer may be gone already
+    except Exception as e:  # noqa: BLE001 - exit goes on whatever happens here
+        log.warning("destroying the process group at exit: %s: %s", type(e).__name__, e)
 
 
 class EngineLifecycle:

@@ -14,6 +14,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from . import lifecycle
+
 if dist.is_available():
     # torch.distributed.nn.functional binds `group.WORLD` as a default argument at import. The
     # first torch optimizer imports it (through torch._dynamo); after init_process_group that
@@ -69,6 +71,7 @@ class Topology:
         gloo_on_loopback(os.environ.get("MASTER_ADDR", ""))
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
                                 device_id=device if device.type == "cuda" else None)
+        lifecycle.created_default_group()
         return cls(dist.get_rank(), dist.get_world_size(), device, dist.group.WORLD)
 
 

@@ -4,8 +4,9 @@
 
 It builds engines with hybrid_ray.initialize, takes a few steps, then ends the way scripts do:
 `dist.barrier(); dist.destroy_process_group()` and falls off the end with the engines still
-alive in its globals; no destroy(). MODE picks the features (see MODES). Exit status 0 is the
-test.
+alive in its globals; no destroy(). Mode "compiled" ends as DeepSpeed's torch_compile test does:
+a compiled ZeRO-3 engine, and not even destroy_process_group(). MODE picks the features (see
+MODES). Exit status 0 is the test.
 
 One check is added to what a user writes: a last atexit hook (registered before hybrid_ray
 makes its own, so it runs after it) fails the run with exit status 3 if gloo's or the TCPStore's
@@ -93,12 +94,15 @@ MODES = {
     "multi": [config(0), config(1, gradient_compression=TOPK), config(3),
               config(2, gradient_compression={"type": "powersgd", "rank": 2})],
     "offload": [config(2, zero_optimization={"stage": 2, **OFFLOAD}, checkpoint={"async_save": True})],
+    "compiled": [config(3, bf16={"enabled": True})],  # engine.compile(), as DeepSpeed's test_compile.py
 }
 
 if MODE in ("zero3", "multi"):  # the others leave it to the engine, from the environment
     dist.init_process_group("gloo")
 torch.manual_seed(0)
 engines = [hybrid_ray.initialize(Net(), config=cfg)[0] for cfg in MODES[MODE]]
+if MODE == "compiled":
+    engines[0].compile()
 rank = dist.get_rank()
 g = torch.Generator().manual_seed(rank)
 for engine in engines:
@@ -110,5 +114,6 @@ for engine in engines:
     if OUT is not None and engine.config.checkpoint.async_save:
         engine.save_checkpoint(OUT)  # still being written when the script ends
 print(f"rank {rank}: {MODE} loss {loss.item():.4f}", flush=True)
-dist.barrier()
-dist.destroy_process_group()
+if MODE != "compiled":  # DeepSpeed's scripts end without these: the group is hybrid_ray's to end
+    dist.barrier()
+    dist.destroy_process_group()
