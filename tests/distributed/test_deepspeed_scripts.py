@@ -54,7 +54,7 @@ def _falls(losses: List[float], out: str) -> None:
 
 # DeepSpeedExamples training/cifar/cifar10_deepspeed.py: fp16 with dynamic loss scaling, WarmupLR,
 # gradient clipping, initialize(training_data=...) for the loader, the stage from --stage.
-@pytest.mark.parametrize("ranks,stage", [(1, 0), (2, 2), (2, 3)])
+@pytest.mark.parametrize("ranks,stage", [(1, 0), (1, 3), (2, 0), (2, 2), (2, 3)])
 def test_cifar10_deepspeed(tmp_path: Path, ranks: int, stage: int) -> None:
     out = _run("cifar10_deepspeed.py", ["--epochs", "10", "--log-interval", "2", "--stage", str(stage)],
                ranks, tmp_path)
@@ -186,15 +186,17 @@ def test_small_model_debugging_test_model(tmp_path: Path, ranks: int, launcher: 
     assert "[Rank 0] step=1, skipped=0" in out, out[-3000:]
 
 
-# DeepSpeed tests/small_model_debugging/test_mics_config.py: zero.MiCS_Init + ZeRO 3 at 2 ranks,
-# mics_shard_size 2 (the whole world: ZeRO-3's partitioning); 6 steps, then its own break.
-def test_small_model_debugging_mics(tmp_path: Path) -> None:
-    out = _run("ds_test_mics_config.py", ["--mics_shard_size", "2"], 2, tmp_path)
+# DeepSpeed tests/small_model_debugging/test_mics_config.py: zero.MiCS_Init + ZeRO 3; 6 steps, then
+# its own break. mics_shard_size = the whole world (ZeRO-3's partitioning): 2 at 2 ranks, 1 at 1.
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_small_model_debugging_mics(tmp_path: Path, ranks: int) -> None:
+    out = _run("ds_test_mics_config.py", ["--mics_shard_size", str(ranks)], ranks, tmp_path)
     losses = [float(x) for x in re.findall(r"^LOSS: ([0-9.]+)$", out, re.M)]
     assert len(losses) == 6 and all(2.0 < x < 5.0 for x in losses), out[-3000:]  # ln(32) = 3.47
     assert "[Rank 0] step=6, skipped=0" in out, out[-3000:]
-    with pytest.raises(AssertionError, match="mics_shard_size: not supported yet; got 1"):
-        _run("ds_test_mics_config.py", ["--mics_shard_size", "1"], 2, tmp_path)
+    if ranks == 2:
+        with pytest.raises(AssertionError, match="mics_shard_size: not supported yet; got 1"):
+            _run("ds_test_mics_config.py", ["--mics_shard_size", "1"], 2, tmp_path)
 
 
 # DeepSpeed tests/torch_compile/test_compile.py: initialize(args=) from --deepspeed_config (its
