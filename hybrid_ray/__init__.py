@@ -20,7 +20,7 @@ from .engine import (Engine, FP16Layer, FP16Module, LossScaleUnderflowError, Non
 from .profiling import Speedometer, get_model_profile
 # DeepSpeed's subpackages, so that `import hybrid_ray as deepspeed` gives deepspeed.comm,
 # deepspeed.zero, ... as DeepSpeed's own __init__ does; each only re-exports hybrid_ray.compat.
-from . import accelerator, checkpointing, comm, moe, ops, runtime, utils, zero  # noqa: E402
+from . import accelerator, checkpointing, comm, moe, ops, pipe, runtime, utils, zero  # noqa: E402
 
 __all__ = ["initialize", "Engine", "Config", "ConfigError", "NotSupportedError", "load_config",
            "FP16Layer", "FP16Module", "Topology", "NonFiniteGradientError", "LossScaleUnderflowError",

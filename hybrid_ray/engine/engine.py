@@ -37,6 +37,7 @@ from .zero.offload import HostOffload
 from .precision import HALF, PrecisionPolicy, autocast_region, cast_floating, dtype_of
 from .flops.profiler import StepProfiler
 from .lifecycle import EngineLifecycle, track
+from .pipe import PipelineBatches
 from .zero.reducer import GradReducer, ReduceOptions
 from .schedulers import build_scheduler
 from .topology import Topology
@@ -50,7 +51,7 @@ class NonFiniteGradientError(RuntimeError):
     """Too many consecutive steps had inf/NaN gradients in a run without dynamic loss scaling."""
 
 
-class Engine(EngineLifecycle, DeepSpeedAccessors):
+class Engine(EngineLifecycle, DeepSpeedAccessors, PipelineBatches):
     """Wraps a model for mixed-precision, ZeRO-sharded data-parallel training."""
 
     def __init__(self, model: nn.Module, config: Any, model_parameters: Any = None,

@@ -8,6 +8,7 @@ import json
 import os
 from pathlib import Path
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 import torch.nn as nn
@@ -84,3 +85,34 @@ def test_getting_started_loop_two_ranks(tmp_path: Path) -> None:
         "wall_clock_breakdown": False}))
     mp.start_processes(_ranks, args=(2, free_port(), str(tmp_path)), nprocs=2, start_method="spawn",
                        join=True)
+
+
+def _pipeline_rank(rank: int, world: int, out: str) -> None:
+    """train_batch at 2 ranks, ZeRO 2: each rank's half of every micro-batch."""
+    import hybrid_ray as deepspeed
+    from tests.unit.test_pipeline_module import batches, pipe
+
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "zero_optimization": {"stage": 2}}
+    engine = deepspeed.initialize(model=pipe(), config=cfg)[0]
+    data = [(x[2 * rank:2 * rank + 2], y[2 * rank:2 * rank + 2]) for x, y in batches(4)]
+    losses = [engine.train_batch(iter(data[i:i + 2])).item() for i in (0, 2)]
+    state = {k: v.tolist() for k, v in engine.module.state_dict().items()}
+    if rank == 0:
+        Path(out).write_text(json.dumps({"losses": losses, "state": state}))
+    engine.destroy()
+
+
+def test_train_batch_at_two_ranks_equals_one_process_on_the_whole_batch(tmp_path: Path) -> None:
+    from tests.distributed import spawn
+    from tests.unit.test_pipeline_module import CFG, batches, pipe
+    import hybrid_ray as deepspeed
+
+    spawn.run(_pipeline_rank, 2, str(tmp_path / "out.json"), timeout_s=60)
+    got = json.loads((tmp_path / "out.json").read_text())
+    engine = deepspeed.initialize(model=pipe(), config=CFG)[0]  # micro-batch 4 = both ranks' 2
+    data = batches(4)
+    losses = [engine.train_batch(iter(data[i:i + 2])).item() for i in (0, 2)]
+    assert got["losses"] == pytest.approx(losses, rel=1e-6)  # the mean over ranks of their means
+    for k, v in engine.module.state_dict().items():
+        torch.testing.assert_close(torch.tensor(got["state"][k]), v, rtol=1e-5, atol=1e-6)

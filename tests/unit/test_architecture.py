@@ -34,9 +34,9 @@ ALLOWED: Dict[str, Set[str]] = {
     # re-export compat and nothing else.
     "compat": {"config", "engine", "data", "profiling"},
     **{alias: {"compat"} for alias in ("comm", "accelerator", "zero", "checkpointing", "runtime",
-                                       "utils", "moe", "ops")},
+                                       "utils", "moe", "ops", "pipe")},
     "": {"config", "engine", "data", "profiling", "lm", "models", "tracking", "compat", "comm",
-         "accelerator", "zero", "checkpointing", "runtime", "utils", "moe", "ops"},
+         "accelerator", "zero", "checkpointing", "runtime", "utils", "moe", "ops", "pipe"},
 }
 # Third-party packages only one part of hybrid_ray may import.
 OWNERS = {"ray": "cluster", "mlflow": "tracking"}

@@ -1,0 +1,141 @@
+"""engine.train_batch() / eval_batch(): one optimizer step (or one evaluation) over the
+micro-batches of a batch, for a model given as a PipelineModule, as DeepSpeed's PipelineEngine.
+
+Each micro-batch is `(inputs, labels)` drawn from `data_iter` (by default the loader that
+initialize(training_data=...) built, repeated when it runs out); the loss is
+`module.loss_fn(module(inputs), labels)`. A step takes gradient_accumulation_steps
+micro-batches, and the loss returned is their mean, averaged over the data-parallel ranks.
+The engine's forward/backward/step stay available too: with one stage they are the same thing.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable, Iterator, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from ...config import ConfigError
+from .module import PipelineModule
+
+
+class RepeatingLoader:
+    """DeepSpeed's `utils.RepeatingLoader`: iterates a loader forever, restarting it (and calling
+    its sampler's set_epoch, where it has one, with the pass number) when it runs out."""
+
+    def __init__(self, loader: Iterable) -> None:
+        self.loader, self.epoch = loader, 0
+        self.data_iter = iter(loader)
+
+    def __iter__(self) -> "RepeatingLoader":
+        return self
+
+    def __next__(self) -> Any:
+        try:
+            return next(self.data_iter)
+        except StopIteration:
+            self.epoch += 1
+            sampler = getattr(self.loader, "sampler", None)
+            if hasattr(sampler, "set_epoch"):
+                sampler.set_epoch(self.epoch)
+            self.data_iter = iter(self.loader)
+            return next(self.data_iter)
+
+
+def _to(obj: Any, device: torch.device) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to(o, device) for o in obj)
+    return obj
+
+
+class PipelineBatches:
+    """Engine mixin: DeepSpeed's PipelineEngine batch API over the Engine's own step."""
+
+    def is_pipe_parallel(self) -> bool:
+        return False  # one stage: pipeline_model_parallel_size 1
+
+    def is_first_stage(self) -> bool:
+        return True
+
+    def is_last_stage(self) -> bool:
+        return True
+
+    def set_dataiterator(self, iterator: Iterator) -> None:
+        """Where train_batch() without an argument draws its micro-batches from."""
+        self.__dict__["_pipe_iter"] = iterator
+
+    def _pipe_module(self, what: str) -> PipelineModule:
+        if not isinstance(self.module, PipelineModule):
+            raise ConfigError(f"engine.{what}(): the model must be a hybrid_ray.pipe.PipelineModule "
+                              f"(its loss_fn gives the loss); got {type(self.module).__name__}. Use "
+                              "engine(x), engine.backward(loss), engine.step() for other models")
+        return self.module
+
+    def _micro_batches(self, data_iter: Optional[Iterator], what: str) -> Iterator:
+        if data_iter is not None:
+            return data_iter
+        if "_pipe_iter" not in self.__dict__:
+            if self.training_dataloader is None:
+                raise ConfigError(f"engine.{what}(): no data: pass data_iter, or training_data to "
+                                  "initialize, or call set_dataiterator()")
+            self.set_dataiterator(iter(RepeatingLoader(self.training_dataloader)))
+        return self.__dict__["_pipe_iter"]
+
+    def _loss_of(self, module: PipelineModule, batch: Any, what: str) -> Any:
+        if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+            raise ConfigError(f"engine.{what}(): each micro-batch must be (inputs, labels); got "
+                              f"{type(batch).__name__}{'' if not isinstance(batch, (tuple, list)) else f' of {len(batch)}'}")
+        inputs, labels = _to(batch[0], self.device), _to(batch[1], self.device)
+        outputs = self(inputs)
+        if module.loss_fn is None:
+            return outputs, outputs
+        return module.loss_fn(outputs, labels), outputs
+
+    def _dp_mean(self, losses: List[torch.Tensor]) -> torch.Tensor:
+        loss = torch.stack([x.detach().float() for x in losses]).mean()
+        if self.topology.group is not None and self.topology.world_size > 1:
+            dist.all_reduce(loss, group=self.topology.group)
+            loss /= self.topology.world_size
+        return loss
+
+    def train_batch(self, data_iter: Optional[Iterator] = None) -> torch.Tensor:
+        """One optimizer step over gradient_accumulation_steps micro-batches; their mean loss
+        over every data-parallel rank."""
+        module = self._pipe_module("train_batch")
+        if self.micro_steps % self.gradient_accumulation_steps():
+            raise ConfigError("engine.train_batch(): called in the middle of an accumulation "
+                              f"window ({self.micro_steps % self.gradient_accumulation_steps()} of "
+                              f"{self.gradient_accumulation_steps()} micro-batches taken by "
+                              "engine.step()); finish the window first")
+        it = self._micro_batches(data_iter, "train_batch")
+        self.train()
+        losses = []
+        for _ in range(self.gradient_accumulation_steps()):
+            loss, _ = self._loss_of(module, next(it), "train_batch")
+            self.backward(loss)
+            self.step()
+            losses.append(loss)
+        return self._dp_mean(losses)
+
+    def eval_batch(self, data_iter: Iterator, return_logits: bool = False, compute_loss: bool = True,
+                   reduce_output: Optional[str] = "avg", bcast_loss: bool = True,
+                   num_micro_batches: Optional[int] = None) -> Any:
+        """The loss over num_micro_batches (default gradient_accumulation_steps) micro-batches,
+        without gradients: their mean over every data-parallel rank with reduce_output='avg',
+        the list of this rank's losses with None; with return_logits, (loss, last outputs)."""
+        if reduce_output not in ("avg", None):
+            raise ConfigError(f"eval_batch reduce_output: unknown; got {reduce_output!r}; allowed: 'avg', None")
+        module = self._pipe_module("eval_batch")
+        was_training = module.training
+        self.eval()
+        losses, outputs = [], None
+        try:
+            with torch.no_grad():
+                for _ in range(num_micro_batches or self.gradient_accumulation_steps()):
+                    loss, outputs = self._loss_of(module, next(data_iter), "eval_batch")
+                    losses.append(loss if compute_loss else outputs)
+        finally:
+            self.train(was_training)
+        result: Any = self._dp_mean(losses) if reduce_output == "avg" else [x.detach() for x in losses]
+        return (result, outputs) if return_logits else result

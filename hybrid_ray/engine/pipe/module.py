@@ -1,0 +1,167 @@
+"""PipelineModule: a model as an ordered list of layers, DeepSpeed's `deepspeed.pipe` API.
+
+Layers are modules, `LayerSpec`s (built here, so a stage builds only its own layers once stages
+exist), `TiedLayerSpec`s (every spec with the same key shares one module: an embedding reused
+as the output head) or plain callables such as `lambda x: x.flatten(1)`. The output of each
+layer is the input of the next; `loss_fn(outputs, labels)` gives the loss that train_batch()
+backpropagates.
+
+One stage only for now: num_stages > 1 (or pipeline_model_parallel_size > 1) is refused with
+NotSupportedError naming the argument. partition_method is checked for the values DeepSpeed
+accepts ('parameters', 'uniform', 'type:<regex>'), and activation_checkpoint_interval runs
+every chunk of that many layers under torch.utils.checkpoint, as DeepSpeed recomputes them.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+from ...config import ConfigError, NotSupportedError
+
+
+class LayerSpec:
+    """A layer not built yet: `LayerSpec(nn.Linear, 4, 8)` builds `nn.Linear(4, 8)`."""
+
+    def __init__(self, typename: type, *module_args: Any, **module_kwargs: Any) -> None:
+        if not (isinstance(typename, type) and issubclass(typename, nn.Module)):
+            raise ConfigError(f"LayerSpec: typename must be an nn.Module class; got {typename!r}")
+        self.typename, self.module_args, self.module_kwargs = typename, module_args, module_kwargs
+
+    def build(self) -> nn.Module:
+        return self.typename(*self.module_args, **self.module_kwargs)
+
+    def __repr__(self) -> str:
+        return f"LayerSpec({self.typename.__name__})"
+
+
+class TiedLayerSpec(LayerSpec):
+    """A LayerSpec whose module is shared by every TiedLayerSpec with the same `key`;
+    `forward_fn(module, x)` (if given) is how this occurrence uses it."""
+
+    def __init__(self, key: str, typename: type, *module_args: Any, forward_fn: Optional[Callable] = None,
+                 tied_weight_attr: Any = "weight", **module_kwargs: Any) -> None:
+        super().__init__(typename, *module_args, **module_kwargs)
+        self.key, self.forward_fn, self.tied_weight_attr = key, forward_fn, tied_weight_attr
+
+
+class _Tied:
+    """One use of a tied module, through its spec's forward_fn. A plain callable, not a
+    submodule: the module's parameters are registered once, under `tied_modules.<key>`."""
+
+    def __init__(self, owner: nn.ModuleDict, key: str, forward_fn: Optional[Callable]) -> None:
+        self.owner, self.key, self.forward_fn = owner, key, forward_fn
+
+    @property
+    def module(self) -> nn.Module:
+        return self.owner[self.key]
+
+    def __call__(self, x: Any) -> Any:
+        return self.module(x) if self.forward_fn is None else self.forward_fn(self.module, x)
+
+
+def _check_partition_method(method: str) -> None:
+    low = method.lower()
+    if low in ("parameters", "uniform"):
+        return
+    if low.startswith("type:"):
+        try:
+            re.compile(method[5:])
+        except re.error as e:
+            raise ConfigError(f"partition_method: bad regular expression {method[5:]!r}: {e}") from None
+        return
+    raise ConfigError(f"partition_method: unknown; got {method!r}; allowed: 'parameters', 'uniform', "
+                      "'type:<regex>'")
+
+
+class PipelineModule(nn.Module):
+    """DeepSpeed's `PipelineModule(layers, num_stages=None, topology=None, loss_fn=None,
+    seed_layers=False, seed_fn=None, base_seed=1234, partition_method='parameters',
+    activation_checkpoint_interval=0, activation_checkpoint_func=checkpoint,
+    checkpointable_layers=None, dynamic_shape=False)`."""
+
+    def __init__(self, layers: Sequence[Any], num_stages: Optional[int] = None, topology: Any = None,
+                 loss_fn: Optional[Callable] = None, seed_layers: bool = False,
+                 seed_fn: Optional[Callable[[int], None]] = None, base_seed: int = 1234,
+                 partition_method: str = "parameters", activation_checkpoint_interval: int = 0,
+                 activation_checkpoint_func: Optional[Callable] = None,
+                 checkpointable_layers: Optional[List[str]] = None, dynamic_shape: bool = False) -> None:
+        super().__init__()
+        stages = num_stages if num_stages is not None else getattr(topology, "get_dim", lambda _: 1)("pipe")
+        if stages is None or int(stages) < 1:
+            raise ConfigError(f"PipelineModule num_stages: must be >= 1; got {stages}")
+        if int(stages) > 1:
+            raise NotSupportedError(f"PipelineModule num_stages: {stages} stages are not supported yet "
+                                    "(a PipelineModule runs as one stage); pass num_stages=1 or leave it out")
+        if activation_checkpoint_interval < 0:
+            raise ConfigError("PipelineModule activation_checkpoint_interval: must be >= 0; got "
+                              f"{activation_checkpoint_interval}")
+        _check_partition_method(partition_method)
+        self.num_stages, self.stage_id, self.loss_fn = 1, 0, loss_fn
+        self.partition_method = partition_method
+        self.activation_checkpoint_interval = activation_checkpoint_interval
+        self.activation_checkpoint_func = activation_checkpoint_func or (
+            lambda fn, *args: torch_checkpoint(fn, *args, use_reentrant=False))
+        self.checkpointable_layers = checkpointable_layers
+        self.tied_modules = nn.ModuleDict()
+        self._layers: List[Any] = []  # in order: modules, tied uses, callables
+        for i, layer in enumerate(layers):
+            if seed_layers:
+                (seed_fn or torch.manual_seed)(base_seed + i)
+            self._layers.append(self._build(layer, i))
+        self.parts = [0, len(self._layers)]
+
+    def _build(self, layer: Any, index: int) -> Any:
+        if isinstance(layer, TiedLayerSpec):
+            if layer.key not in self.tied_modules:
+                self.tied_modules[layer.key] = layer.build()
+            return _Tied(self.tied_modules, layer.key, layer.forward_fn)
+        if isinstance(layer, LayerSpec):
+            layer = layer.build()
+        if isinstance(layer, nn.Module):
+            self.add_module(str(index), layer)  # DeepSpeed's names: "<layer index>.weight"
+            return layer
+        if callable(layer):
+            return layer
+        raise ConfigError(f"PipelineModule layers[{index}]: expected an nn.Module, a LayerSpec or a "
+                          f"callable; got {type(layer).__name__}")
+
+    def _checkpointable(self, funcs: List[Any]) -> bool:
+        if self.checkpointable_layers is not None:
+            return all(type(f).__name__ in self.checkpointable_layers for f in funcs)
+        modules = [f.module if isinstance(f, _Tied) else f for f in funcs]
+        return any(isinstance(m, nn.Module) and next(m.parameters(), None) is not None for m in modules)
+
+    def forward(self, forward_input: Any) -> Any:
+        x = forward_input
+        interval = self.activation_checkpoint_interval if self.training else 0
+        if interval == 0:
+            for layer in self._layers:
+                x = layer(x)
+            return x
+        for start in range(0, len(self._layers), interval):
+            funcs = self._layers[start:start + interval]
+            run = _chunk(funcs)
+            if self._checkpointable(funcs) and torch.is_grad_enabled():
+                x = self.activation_checkpoint_func(run, *(x if isinstance(x, tuple) else (x,)))
+            else:
+                x = run(*(x if isinstance(x, tuple) else (x,)))
+        return x
+
+    def topology(self) -> None:
+        return None  # no process topology of its own: one stage, the engine's data-parallel group
+
+    def num_pipeline_stages(self) -> int:
+        return self.num_stages
+
+
+def _chunk(funcs: List[Any]) -> Callable:
+    def run(*inputs: Any) -> Any:
+        x = inputs[0] if len(inputs) == 1 else inputs
+        for f in funcs:
+            x = f(x)
+        return x
+    return run

@@ -1,0 +1,143 @@
+"""PipelineModule and engine.train_batch()/eval_batch() at one stage: DeepSpeed's pipeline API
+trains exactly as the plain engine loop over the same micro-batches."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import hybrid_ray as deepspeed
+from hybrid_ray.config import ConfigError, NotSupportedError
+from hybrid_ray.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+from hybrid_ray.utils import RepeatingLoader
+
+CFG = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
+       "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
+
+
+def layers():
+    return [nn.Linear(6, 16), lambda x: torch.tanh(x), LayerSpec(nn.Linear, 16, 16), nn.ReLU(),
+            nn.Linear(16, 3)]
+
+
+def pipe(**kw) -> PipelineModule:
+    torch.manual_seed(0)
+    return PipelineModule(layers=layers(), loss_fn=nn.CrossEntropyLoss(), **kw)
+
+
+def batches(n: int):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(4, 6, generator=g), torch.randint(0, 3, (4,), generator=g)) for _ in range(n)]
+
+
+def test_runs_its_layers_in_order_under_deepspeeds_names() -> None:
+    model = pipe()
+    assert sorted(model.state_dict()) == ["0.bias", "0.weight", "2.bias", "2.weight", "4.bias", "4.weight"]
+    x = torch.randn(2, 6)
+    want = model._layers[4](F.relu(model._layers[2](torch.tanh(model._layers[0](x)))))
+    torch.testing.assert_close(model(x), want, rtol=0, atol=0)
+
+
+def test_train_batch_equals_the_engine_loop() -> None:
+    data = batches(6)
+    a = deepspeed.initialize(model=pipe(), config=CFG)[0]
+    losses = [a.train_batch(iter(data[i:i + 2])) for i in range(0, 6, 2)]
+    b = deepspeed.initialize(model=pipe(), config=CFG)[0]
+    manual = []
+    for x, y in data:
+        loss = F.cross_entropy(b(x), y)
+        b.backward(loss)
+        b.step()
+        manual.append(loss.item())
+    assert a.global_steps == b.global_steps == 3
+    for p, q in zip(a.module.parameters(), b.module.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+    assert [x.item() for x in losses] == pytest.approx([(manual[i] + manual[i + 1]) / 2 for i in (0, 2, 4)])
+
+
+def test_train_batch_draws_from_training_data_forever() -> None:
+    data = batches(3)  # 3 micro-batches: the second step's second one comes from a new pass
+    dataset = [(x[i], y[i]) for x, y in data for i in range(4)]
+    engine, _, loader, _ = deepspeed.initialize(model=pipe(), config=CFG, training_data=dataset)
+    for _ in range(3):
+        loss = engine.train_batch()
+        assert torch.isfinite(loss) and loss.dim() == 0
+    assert engine.global_steps == 3
+
+
+def test_tied_layers_share_one_module() -> None:
+    torch.manual_seed(0)
+    model = PipelineModule(layers=[TiedLayerSpec("emb", nn.Linear, 5, 5, bias=False), nn.Tanh(),
+                                   TiedLayerSpec("emb", nn.Linear, 5, 5, bias=False,
+                                                 forward_fn=lambda m, x: x @ m.weight)],
+                           loss_fn=nn.MSELoss())
+    assert [n for n, _ in model.named_parameters()] == ["tied_modules.emb.weight"]
+    w = model.tied_modules["emb"].weight
+    x = torch.randn(3, 5)
+    torch.testing.assert_close(model(x), torch.tanh(x @ w.t()) @ w, rtol=0, atol=0)
+
+
+def test_activation_checkpoint_interval_gives_the_same_gradients() -> None:
+    x, y = batches(1)[0]
+    grads = []
+    for interval in (0, 1, 2):
+        model = pipe(activation_checkpoint_interval=interval)
+        F.cross_entropy(model(x), y).backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for g in grads[1:]:
+        for a, b in zip(grads[0], g):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_eval_batch_takes_no_step_and_keeps_the_mode() -> None:
+    engine = deepspeed.initialize(model=pipe(), config=CFG)[0]
+    before = [p.detach().clone() for p in engine.module.parameters()]
+    data = batches(2)
+    loss, logits = engine.eval_batch(iter(data), return_logits=True)
+    want = sum(F.cross_entropy(engine.module(x), y).item() for x, y in data) / 2
+    assert loss.item() == pytest.approx(want) and logits.shape == (4, 3)
+    assert engine.module.training and engine.global_steps == 0
+    assert all(torch.equal(p, q) for p, q in zip(before, engine.module.parameters()))
+    assert len(engine.eval_batch(iter(batches(3)), reduce_output=None, num_micro_batches=3)) == 3
+
+
+def test_repeating_loader_restarts_and_sets_the_epoch() -> None:
+    class Sampler(list):
+        epochs = []
+
+        def set_epoch(self, e):
+            self.epochs.append(e)
+
+    loader = torch.utils.data.DataLoader(list(range(3)), batch_size=2, sampler=Sampler(range(3)))
+    it = RepeatingLoader(loader)
+    got = [next(it).tolist() for _ in range(4)]
+    assert got == [[0, 1], [2], [0, 1], [2]] and Sampler.epochs == [1]
+
+
+@pytest.mark.parametrize("make,error,match", [
+    (lambda: pipe(num_stages=2), NotSupportedError, "num_stages: 2 stages"),
+    (lambda: pipe(partition_method="bogus"), ConfigError, "partition_method: unknown"),
+    (lambda: pipe(partition_method="type:["), ConfigError, "partition_method: bad regular expression"),
+    (lambda: PipelineModule(layers=[3]), ConfigError, r"layers\[0\]: expected"),
+    (lambda: LayerSpec(len), ConfigError, "typename must be an nn.Module class"),
+])
+def test_refuses_in_one_line(make, error, match) -> None:
+    with pytest.raises(error, match=match):
+        make()
+
+
+def test_train_batch_refusals() -> None:
+    plain = deepspeed.initialize(model=nn.Linear(6, 3), config=CFG)[0]
+    with pytest.raises(ConfigError, match="must be a hybrid_ray.pipe.PipelineModule"):
+        plain.train_batch(iter(batches(2)))
+    engine = deepspeed.initialize(model=pipe(), config=CFG)[0]
+    with pytest.raises(ConfigError, match="no data"):
+        engine.train_batch()
+    with pytest.raises(ConfigError, match=r"must be \(inputs, labels\)"):
+        engine.train_batch(iter([torch.randn(4, 6)] * 2))
+    x, y = batches(1)[0]
+    engine.backward(F.cross_entropy(engine(x), y))
+    engine.step()
+    with pytest.raises(ConfigError, match="middle of an accumulation window"):
+        engine.train_batch(iter(batches(2)))
