@@ -19,6 +19,7 @@ import os
 from typing import Any, Iterator, List, Optional
 
 import torch
+import torch.distributed as dist
 
 from ..config import NotSupportedError
 from ..engine import Engine
@@ -48,19 +49,19 @@ class DeepSpeedEngine(Engine):
 
     @property
     def global_rank(self) -> int:
-        return self.topology.rank
+        return dist.get_rank() if dist.is_initialized() else self.topology.rank
 
     @property
     def world_size(self) -> int:
-        return self.topology.world_size
+        return dist.get_world_size() if dist.is_initialized() else self.topology.world_size
 
     @property
     def dp_world_size(self) -> int:
-        return self.topology.world_size  # every rank is a data-parallel rank (no TP/PP yet)
+        return self.topology.world_size  # the engine's topology is its data-parallel group
 
     @property
     def mp_world_size(self) -> int:
-        return 1
+        return self.module.num_stages if self.is_pipe_parallel() else 1  # the pipeline's stages (no TP yet)
 
     def get_data_parallel_group(self) -> Any:
         """The data-parallel process group (None in a single process without a group)."""

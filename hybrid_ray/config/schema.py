@@ -15,7 +15,7 @@ from hybrid_ray.config.errors import ConfigError, Verbatim, config_error
 from hybrid_ray.config.loader import checked, flatten, to_plain
 from hybrid_ray.config.optim import OptimizerConfig, SchedulerConfig
 from hybrid_ray.config.sections import (ActivationCheckpointingConfig, BF16Config,
-                                        CompressionConfig, Dtype, FlopsProfilerConfig,
+                                        CompressionConfig, Dtype, FlopsProfilerConfig, PipelineConfig,
                                         FP16Config, PrecisionConfig, ZeroConfig)
 
 _BATCH = "train_batch_size"
@@ -70,6 +70,8 @@ class Config:
     """Tensor-parallel group size."""
     pipeline_model_parallel_size: int = checked(1, ge=1)
     """Pipeline-parallel stage count."""
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    """The schedule of a PipelineModule's stages."""
     steps_per_print: int = checked(10, ge=1)
     """Log progress every this many optimizer steps."""
     wall_clock_breakdown: bool = False

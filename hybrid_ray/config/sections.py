@@ -205,6 +205,18 @@ class ActivationCheckpointingConfig:
 
 
 @dataclass(frozen=True)
+class PipelineConfig:
+    """How a PipelineModule split into stages runs the micro-batches of a step."""
+
+    schedule: Literal["1f1b", "gpipe"] = "1f1b"
+    """1f1b: each stage alternates one forward and one backward once the pipeline is full, so it
+    holds the activations of at most as many micro-batches as there are stages; gpipe: every
+    forward, then every backward (activations of every micro-batch held)."""
+    micro_batches: Optional[int] = checked(None, ge=1)
+    """Micro-batches per step; when set it must equal gradient_accumulation_steps (None: that)."""
+
+
+@dataclass(frozen=True)
 class FlopsProfilerConfig:
     """One-shot flops/latency profile of a training step."""
 

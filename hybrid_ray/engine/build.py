@@ -75,9 +75,9 @@ def broadcast_state(spaces: Sequence[FlatSpace], model: nn.Module, topo: Topolog
     if topo.world_size > 1:
         for s in spaces:
             if s.flat.numel():  # a space built from zero.Init shards took rank 0's values already
-                dist.broadcast(s.flat, src=0, group=topo.group)
+                dist.broadcast(s.flat, group_src=0, group=topo.group)
         for b in model.buffers():
-            dist.broadcast(b, src=0, group=topo.group)
+            dist.broadcast(b, group_src=0, group=topo.group)
 
 
 def build_optimizer(opt_type: str, params: Dict[str, Any], master_groups: List[List[nn.Parameter]],

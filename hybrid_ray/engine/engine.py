@@ -38,6 +38,7 @@ from .precision import HALF, PrecisionPolicy, autocast_region, cast_floating, dt
 from .flops.profiler import StepProfiler
 from .lifecycle import EngineLifecycle, track
 from .pipe import PipelineBatches
+from .pipe.stages import stage_topology
 from .zero.reducer import GradReducer, ReduceOptions
 from .schedulers import build_scheduler
 from .topology import Topology
@@ -58,7 +59,7 @@ class Engine(EngineLifecycle, DeepSpeedAccessors, PipelineBatches):
                  optimizer: Optional[torch.optim.Optimizer] = None, lr_scheduler: Any = None,
                  loss_scaler: Any = None, topology: Optional[Topology] = None):
         self.config: Config = load_config(config)
-        self.topology = topology or Topology.from_environment()
+        self.topology = stage_topology(model, topology or Topology.from_environment(), self.config)
         self.batch = self.config.resolve_batch(self.topology.world_size)
         self.module = model.to(self.topology.device)
         self.counters = StepCounters()  # global_steps, micro_steps, ... (accessors.py)
@@ -196,6 +197,7 @@ class Engine(EngineLifecycle, DeepSpeedAccessors, PipelineBatches):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the model under the base precision; floating outputs come back as fp32."""
+        self._refuse_stages("forward")
         if self.config.fp16.auto_cast and self.compute_dtype == torch.float16:
             args, kwargs = cast_floating(args, torch.float16), cast_floating(kwargs, torch.float16)
         self.flops_profiler.before_forward(self.global_steps, args, kwargs)
@@ -227,6 +229,7 @@ class Engine(EngineLifecycle, DeepSpeedAccessors, PipelineBatches):
 
     def backward(self, loss: torch.Tensor) -> torch.Tensor:
         """Scale the loss (loss scale / accumulation steps), backprop, reduce gradients."""
+        self._refuse_stages("backward")
         gas = self.batch.gradient_accumulation_steps
         self.flops_profiler.before_backward()
         if not self._window_open:  # the window's first backward (not counted: boundaries can be set)
@@ -316,6 +319,7 @@ class Engine(EngineLifecycle, DeepSpeedAccessors, PipelineBatches):
         ZeRO stage; see checkpoint/. Collective: every rank calls it. async_save (default:
         config `checkpoint.async_save`) returns once the state is copied to host memory; the
         files are written and committed in the background (see wait_checkpoint)."""
+        self._refuse_stages("save_checkpoint")
         return self.checkpointer.save(save_dir, tag, client_state, async_save)
 
     def wait_checkpoint(self) -> Optional[str]:
@@ -327,6 +331,7 @@ class Engine(EngineLifecycle, DeepSpeedAccessors, PipelineBatches):
                         load_lr_scheduler_states: bool = True, load_module_only: bool = False):
         """(path, client_state) of the checkpoint loaded (tag None: `latest`, falling back to the
         newest good one), or (None, None). Collective: every rank calls it."""
+        self._refuse_stages("load_checkpoint")
         out = self.checkpointer.load(load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
                                      load_module_only)
         if out[0] is not None:

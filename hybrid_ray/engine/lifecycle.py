@@ -179,7 +179,7 @@ class EngineLifecycle:
         finally:
             for name in HOLDS_GROUP:
                 self.__dict__.pop(name, None)
-            self.topology = dataclasses.replace(self.topology, group=None)
+            self.topology = dataclasses.replace(self.topology, group=None, model_group=None)
 
     def _remove_hooks(self) -> None:
         self.precision_plan.remove()

@@ -35,6 +35,8 @@ class Topology:
       group exists; the engine then runs without any collective).
     abort: set by whoever tears the group down (the Ray worker, when a peer is lost): waits that
       depend on the other ranks, such as a checkpoint commit, end at once instead of timing out.
+    model_group: the other ranks that hold other parts of the same model replica (a pipeline's
+      stages), or None: the gradient norm (clipping, the overflow check) sums over it as well.
     """
 
     rank: int
@@ -42,6 +44,7 @@ class Topology:
     device: torch.device
     group: Optional[dist.ProcessGroup] = None
     abort: threading.Event = field(default_factory=threading.Event, compare=False, repr=False)
+    model_group: Optional[dist.ProcessGroup] = field(default=None, compare=False, repr=False)
 
     @property
     def is_distributed(self) -> bool:

@@ -1,5 +1,6 @@
 """PipelineModule and engine.train_batch()/eval_batch() at one stage: DeepSpeed's pipeline API
-trains exactly as the plain engine loop over the same micro-batches."""
+trains exactly as the plain engine loop over the same micro-batches. (Several stages:
+tests/distributed/test_pipeline.py.)"""
 from __future__ import annotations
 
 import pytest
@@ -116,7 +117,7 @@ def test_repeating_loader_restarts_and_sets_the_epoch() -> None:
 
 
 @pytest.mark.parametrize("make,error,match", [
-    (lambda: pipe(num_stages=2), NotSupportedError, "num_stages: 2 stages"),
+    (lambda: pipe(num_stages=2), ConfigError, "num_stages=2: needs the process group first"),
     (lambda: pipe(partition_method="bogus"), ConfigError, "partition_method: unknown"),
     (lambda: pipe(partition_method="type:["), ConfigError, "partition_method: bad regular expression"),
     (lambda: PipelineModule(layers=[3]), ConfigError, r"layers\[0\]: expected"),
@@ -141,3 +142,23 @@ def test_train_batch_refusals() -> None:
     engine.step()
     with pytest.raises(ConfigError, match="middle of an accumulation window"):
         engine.train_batch(iter(batches(2)))
+
+
+def test_partition_is_the_most_balanced_cut_into_nonempty_stages() -> None:
+    import itertools
+    import random
+
+    from hybrid_ray.engine.pipe.layout import partition
+
+    rng = random.Random(0)
+    for _ in range(300):
+        n = rng.randint(1, 10)
+        parts = rng.randint(1, n)
+        w = [rng.choice([0, 0, 1, 2, 5, 10]) for _ in range(n)]
+        b = partition(w, parts)
+        assert b[0] == 0 and b[-1] == n and len(b) == parts + 1 and all(x < y for x, y in zip(b, b[1:]))
+        best = min(max(sum(w[c[i]:c[i + 1]]) for i in range(parts))
+                   for cut in itertools.combinations(range(1, n), parts - 1) for c in [(0, *cut, n)])
+        assert max(sum(w[b[i]:b[i + 1]]) for i in range(parts)) == best, (w, parts, b)
+    with pytest.raises(ConfigError, match="3 layers cannot fill 4 stages"):
+        partition([1, 1, 1], 4)

@@ -117,7 +117,7 @@ class Checkpointer:
         if not self._distributed():
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=0, group=self.topology.group)
+        dist.broadcast_object_list(box, group_src=0, group=self.topology.group)
         return box[0]
 
     def _errors(self, error: Optional[str]) -> List[str]:

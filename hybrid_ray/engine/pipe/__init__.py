@@ -1,7 +1,7 @@
 """Pipeline parallelism in DeepSpeed's API: a model given as a list of layers (PipelineModule)
-and `engine.train_batch()` / `eval_batch()` driving the micro-batches of one step. Today a
-PipelineModule runs as one stage (pipeline_model_parallel_size 1): the same script runs
-unchanged when more stages come."""
+and `engine.train_batch()` / `eval_batch()` driving the micro-batches of one step, one stage or
+several (torch.distributed.pipelining's GPipe and 1F1B, each stage data-parallel with ZeRO 0/1
+over its replicas)."""
 from .batches import PipelineBatches, RepeatingLoader
 from .module import LayerSpec, PipelineModule, TiedLayerSpec
 

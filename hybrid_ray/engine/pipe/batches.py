@@ -5,7 +5,9 @@ Each micro-batch is `(inputs, labels)` drawn from `data_iter` (by default the lo
 initialize(training_data=...) built, repeated when it runs out); the loss is
 `module.loss_fn(module(inputs), labels)`. A step takes gradient_accumulation_steps
 micro-batches, and the loss returned is their mean, averaged over the data-parallel ranks.
-The engine's forward/backward/step stay available too: with one stage they are the same thing.
+With one stage the engine's forward/backward/step stay available too (they are the same thing);
+with several, the micro-batches go through the stages' schedule (stages.py) and train_batch()
+is the only way in, as in DeepSpeed.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from typing import Any, Iterable, Iterator, List, Optional
 import torch
 import torch.distributed as dist
 
-from ...config import ConfigError
+from ...config import ConfigError, NotSupportedError
 from .module import PipelineModule
 
 
@@ -52,14 +54,41 @@ def _to(obj: Any, device: torch.device) -> Any:
 class PipelineBatches:
     """Engine mixin: DeepSpeed's PipelineEngine batch API over the Engine's own step."""
 
+    def _pipe_layout(self) -> Any:
+        return getattr(self.module, "pipe_layout", None) if isinstance(self.module, PipelineModule) else None
+
+    @property
+    def dp_rank(self) -> int:
+        return self.topology.rank
+
+    @property
+    def pp_rank(self) -> int:
+        layout = self._pipe_layout()
+        return 0 if layout is None else layout.stage
+
+    @property
+    def tp_rank(self) -> int:
+        return 0  # no tensor parallelism yet
+
     def is_pipe_parallel(self) -> bool:
-        return False  # one stage: pipeline_model_parallel_size 1
+        return self._pipe_layout() is not None
 
     def is_first_stage(self) -> bool:
-        return True
+        layout = self._pipe_layout()
+        return layout is None or layout.first
 
     def is_last_stage(self) -> bool:
-        return True
+        layout = self._pipe_layout()
+        return layout is None or layout.last
+
+    def _refuse_stages(self, what: str) -> None:
+        if self._pipe_layout() is None:
+            return
+        if what in ("forward", "backward"):  # DeepSpeed's PipelineEngine refuses them too
+            raise NotSupportedError(f"engine.{what}(): a PipelineModule split into {self.module.num_stages} "
+                                    "stages trains through engine.train_batch() only")
+        raise NotSupportedError(f"engine.{what}(): checkpoints of a PipelineModule split into "
+                                f"{self.module.num_stages} stages are not supported yet")
 
     def set_dataiterator(self, iterator: Iterator) -> None:
         """Where train_batch() without an argument draws its micro-batches from."""
@@ -110,6 +139,8 @@ class PipelineBatches:
                               "engine.step()); finish the window first")
         it = self._micro_batches(data_iter, "train_batch")
         self.train()
+        if module.pipe_layout is not None:
+            return self._train_stages(module, it)
         losses = []
         for _ in range(self.gradient_accumulation_steps()):
             loss, _ = self._loss_of(module, next(it), "train_batch")
@@ -117,6 +148,33 @@ class PipelineBatches:
             self.step()
             losses.append(loss)
         return self._dp_mean(losses)
+
+    def _train_stages(self, module: PipelineModule, it: Iterator) -> torch.Tensor:
+        """One step of a PipelineModule split into stages (stages.py says how)."""
+        from .stages import PipeRunner
+
+        micro = []
+        for _ in range(self.gradient_accumulation_steps()):
+            batch = next(it)
+            if not (isinstance(batch, (tuple, list)) and len(batch) == 2 and all(map(torch.is_tensor, batch))):
+                raise ConfigError("engine.train_batch(): with pipeline stages each micro-batch must be "
+                                  "(inputs, labels), two tensors")
+            micro.append(batch)
+        if "_pipe_runner" not in self.__dict__:
+            self.__dict__["_pipe_runner"] = PipeRunner(self)
+        runner = self.__dict__["_pipe_runner"]
+        if not self._window_open:
+            self.reducer.start_window()
+        self._window_open = True
+        self.reducer.before_backward(False)  # the hooks wait: gradients accumulate in the flat buffer
+        loss = runner.step(micro)
+        self.reducer.before_backward(True)  # then every bucket is reduced once over the replicas
+        self.reducer.after_backward()
+        for _ in micro:
+            self.step()
+        if module.pipe_layout.last:
+            loss = self._dp_mean([loss])
+        return runner.broadcast_loss(loss)
 
     def eval_batch(self, data_iter: Iterator, return_logits: bool = False, compute_loss: bool = True,
                    reduce_output: Optional[str] = "avg", bcast_loss: bool = True,
@@ -127,6 +185,9 @@ class PipelineBatches:
         if reduce_output not in ("avg", None):
             raise ConfigError(f"eval_batch reduce_output: unknown; got {reduce_output!r}; allowed: 'avg', None")
         module = self._pipe_module("eval_batch")
+        if module.pipe_layout is not None:
+            raise NotSupportedError("engine.eval_batch(): not supported yet for a PipelineModule of "
+                                    f"{module.num_stages} stages; evaluate with one stage")
         was_training = module.training
         self.eval()
         losses, outputs = [], None

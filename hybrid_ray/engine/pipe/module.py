@@ -6,10 +6,12 @@ as the output head) or plain callables such as `lambda x: x.flatten(1)`. The out
 layer is the input of the next; `loss_fn(outputs, labels)` gives the loss that train_batch()
 backpropagates.
 
-One stage only for now: num_stages > 1 (or pipeline_model_parallel_size > 1) is refused with
-NotSupportedError naming the argument. partition_method is checked for the values DeepSpeed
-accepts ('parameters', 'uniform', 'type:<regex>'), and activation_checkpoint_interval runs
-every chunk of that many layers under torch.utils.checkpoint, as DeepSpeed recomputes them.
+With num_stages > 1 (the process group must exist first) the layers are cut into that many
+stages by partition_method ('parameters': balanced parameter counts, 'uniform': layer counts,
+'type:<regex>': counts of the layers whose class matches), each rank builds only its stage's
+layers (layout.py places ranks: rank = stage * dp + d), and the engine runs them through
+torch.distributed.pipelining (stages.py). activation_checkpoint_interval runs every chunk of
+that many layers under torch.utils.checkpoint, as DeepSpeed recomputes them.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from ...config import ConfigError, NotSupportedError
+from . import layout
 
 
 class LayerSpec:
@@ -93,26 +96,43 @@ class PipelineModule(nn.Module):
         stages = num_stages if num_stages is not None else getattr(topology, "get_dim", lambda _: 1)("pipe")
         if stages is None or int(stages) < 1:
             raise ConfigError(f"PipelineModule num_stages: must be >= 1; got {stages}")
-        if int(stages) > 1:
-            raise NotSupportedError(f"PipelineModule num_stages: {stages} stages are not supported yet "
-                                    "(a PipelineModule runs as one stage); pass num_stages=1 or leave it out")
         if activation_checkpoint_interval < 0:
             raise ConfigError("PipelineModule activation_checkpoint_interval: must be >= 0; got "
                               f"{activation_checkpoint_interval}")
         _check_partition_method(partition_method)
-        self.num_stages, self.stage_id, self.loss_fn = 1, 0, loss_fn
+        self.num_stages, self.loss_fn = int(stages), loss_fn
         self.partition_method = partition_method
         self.activation_checkpoint_interval = activation_checkpoint_interval
         self.activation_checkpoint_func = activation_checkpoint_func or (
             lambda fn, *args: torch_checkpoint(fn, *args, use_reentrant=False))
         self.checkpointable_layers = checkpointable_layers
+        # More than one stage: this rank builds only its stage's layers (layout.py places it).
+        self.pipe_layout = layout.build_layout(self.num_stages) if self.num_stages > 1 else None
+        self.stage_id = self.pipe_layout.stage if self.pipe_layout else 0
+        self.parts = self._partition(list(layers))
+        _check_tied(layers, self.parts)
         self.tied_modules = nn.ModuleDict()
-        self._layers: List[Any] = []  # in order: modules, tied uses, callables
-        for i, layer in enumerate(layers):
+        self._layers: List[Any] = []  # this stage's, in order: modules, tied uses, callables
+        lo, hi = self.parts[self.stage_id], self.parts[self.stage_id + 1]
+        for i in range(lo, hi):
             if seed_layers:
                 (seed_fn or torch.manual_seed)(base_seed + i)
-            self._layers.append(self._build(layer, i))
-        self.parts = [0, len(self._layers)]
+            self._layers.append(self._build(layers[i], i))
+
+    def _partition(self, layers: List[Any]) -> List[int]:
+        """Layer boundaries of the stages, by partition_method ('parameters' counts each
+        layer's parameters, building a LayerSpec to count it, as DeepSpeed does)."""
+        if self.num_stages == 1:
+            return [0, len(layers)]
+        method = self.partition_method.lower()
+        if method == "uniform":
+            weights = [1.0] * len(layers)
+        elif method == "parameters":
+            weights = [float(_param_count(layer)) for layer in layers]
+        else:
+            pattern = re.compile(self.partition_method[5:], re.IGNORECASE)
+            weights = [1.0 if pattern.search(_type_name(layer)) else 0.0 for layer in layers]
+        return layout.partition(weights, self.num_stages)
 
     def _build(self, layer: Any, index: int) -> Any:
         if isinstance(layer, TiedLayerSpec):
@@ -156,6 +176,35 @@ class PipelineModule(nn.Module):
 
     def num_pipeline_stages(self) -> int:
         return self.num_stages
+
+
+def _type_name(layer: Any) -> str:
+    if isinstance(layer, LayerSpec):
+        return layer.typename.__name__
+    return type(layer).__name__
+
+
+def _param_count(layer: Any) -> int:
+    if isinstance(layer, TiedLayerSpec):
+        layer = layer.build()
+    elif isinstance(layer, LayerSpec):
+        layer = layer.build()  # built to be counted, then dropped (DeepSpeed does the same)
+    if isinstance(layer, nn.Module):
+        return sum(p.numel() for p in layer.parameters())
+    return 0
+
+
+def _check_tied(layers: Sequence[Any], parts: List[int]) -> None:
+    stages: Dict[str, set] = {}
+    for s in range(len(parts) - 1):
+        for layer in layers[parts[s]:parts[s + 1]]:
+            if isinstance(layer, TiedLayerSpec):
+                stages.setdefault(layer.key, set()).add(s)
+    for key, where in stages.items():
+        if len(where) > 1:
+            raise NotSupportedError(f"PipelineModule TiedLayerSpec {key!r}: tied across pipeline stages "
+                                    f"{sorted(where)}, which is not supported yet; keep the tied layers "
+                                    "in one stage (partition_method) or untie them")
 
 
 def _chunk(funcs: List[Any]) -> Callable:

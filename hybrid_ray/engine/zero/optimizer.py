@@ -90,6 +90,9 @@ class ZeroOptimizer:
         if self.topo.world_size > 1 and self.reducer.sharded:
             local = local.to(self.topo.device)  # host gradients (offload): NCCL reduces device tensors
             dist.all_reduce(local, group=self.topo.group)  # inf/nan anywhere reaches every rank
+        if self.topo.model_group is not None:  # the other pipeline stages' parameters
+            local = local.to(self.topo.device)
+            dist.all_reduce(local, group=self.topo.model_group)
         return local
 
     def grad_divisor(self, loss_scale: float) -> float:

@@ -1,0 +1,112 @@
+"""A PipelineModule of several stages under the engine: each rank trains its stage, data-parallel
+with the other replicas of that stage, and torch.distributed.pipelining runs the micro-batches
+through the stages (GPipe or 1F1B).
+
+How a step goes: the schedule runs every micro-batch's forward and backward with the gradient
+hooks disarmed, so gradients accumulate in the stage's flat buffer; then the buckets are reduced
+once over the stage's replicas, and the optimizer steps as after any accumulation window. The
+gradient norm (clipping, the fp16 overflow check) sums over the stages too
+(Topology.model_group). The loss is scaled by the loss scale inside the schedule's loss function
+and its mean over micro-batches comes back unscaled.
+
+Not yet: ZeRO stages 2 and 3 (their gradients are reduced per micro-batch or gathered per
+module), checkpoints of a pipelined model, tied layers across stages.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, List, Optional
+
+import torch
+import torch.nn as nn
+
+from ...config import Config, ConfigError, NotSupportedError
+from ..precision import autocast_region
+from ..topology import Topology
+from .module import PipelineModule
+
+
+def stage_topology(model: nn.Module, topology: Topology, config: Config) -> Topology:
+    """The engine's data-parallel layout for `model`: its stage's replicas when it is split into
+    stages, else `topology` as given."""
+    layout = getattr(model, "pipe_layout", None) if isinstance(model, PipelineModule) else None
+    if layout is None:
+        return topology
+    stage = config.zero_optimization.stage
+    if stage > 1:
+        raise NotSupportedError(f"zero_optimization.stage: {stage} with a {layout.num_stages}-stage "
+                                "PipelineModule is not supported yet; allowed: 0 or 1")
+    return dataclasses.replace(topology, rank=layout.dp_rank, world_size=layout.dp_size,
+                               group=layout.dp_group if layout.dp_size > 1 else None,
+                               model_group=layout.pp_group)
+
+
+class _Stage(nn.Module):
+    """The stage as the schedule calls it: under the engine's autocast, floating outputs in
+    fp32 (what flows between stages and into the loss)."""
+
+    def __init__(self, module: PipelineModule, device_type: str, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.inner, self.device_type, self.dtype = module, device_type, dtype
+
+    def forward(self, *args: Any) -> Any:
+        with autocast_region(self.device_type, self.dtype):
+            out = self.inner(args[0] if len(args) == 1 else args)
+        return out.float() if torch.is_tensor(out) and out.is_floating_point() else out
+
+
+class PipeRunner:
+    """The schedule of one engine's stage, built at the first train_batch."""
+
+    def __init__(self, engine: Any) -> None:
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+        pc, gas = engine.config.pipeline, engine.gradient_accumulation_steps()
+        if pc.micro_batches is not None and pc.micro_batches != gas:
+            raise ConfigError(f"pipeline.micro_batches: {pc.micro_batches} differs from "
+                              f"gradient_accumulation_steps {gas}; a step's micro-batches are its "
+                              "accumulation steps: set one, or both equal")
+        module: PipelineModule = engine.module
+        layout = module.pipe_layout
+        self.engine, self.layout = engine, layout
+        self.scale = 1.0
+        stage = PipelineStage(_Stage(module, engine.topology.device.type, engine.compute_dtype),
+                              layout.stage, layout.num_stages, engine.topology.device, group=layout.pp_group)
+        kinds = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
+        # The loss function scales as engine.backward does (loss scale / accumulation steps),
+        # so the schedule must not divide the gradients again.
+        self.schedule = kinds[pc.schedule](stage, n_microbatches=gas, loss_fn=self._loss(module.loss_fn),
+                                           scale_grads=False)
+
+    def _loss(self, loss_fn: Optional[Callable]) -> Callable:
+        def scaled(outputs: Any, labels: Any) -> torch.Tensor:
+            loss = outputs if loss_fn is None else loss_fn(outputs, labels)
+            return loss.float() * self.scale
+        return scaled
+
+    def step(self, micro: List[Any]) -> torch.Tensor:
+        """Forward and backward of every micro-batch `(inputs, labels)`; this pipeline's mean
+        loss (on the last stage; zero elsewhere)."""
+        layout, engine = self.layout, self.engine
+        gas = engine.gradient_accumulation_steps()
+        self.scale = engine._scaler.loss_scale / gas
+        inputs = torch.cat([m[0] for m in micro]).to(engine.topology.device)
+        labels = torch.cat([m[1] for m in micro]).to(engine.topology.device)
+        losses: List[torch.Tensor] = []
+        kwargs = {"target": labels, "losses": losses} if layout.last else {}
+        if layout.first:
+            self.schedule.step(inputs, **kwargs)
+        else:
+            self.schedule.step(**kwargs)
+        if not layout.last:
+            return torch.zeros((), device=engine.topology.device)
+        return torch.stack([x.detach().float() for x in losses]).mean() / self.scale
+
+    def broadcast_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The last stage's loss on every stage of this pipeline, as DeepSpeed returns it."""
+        import torch.distributed as dist
+
+        layout = self.layout
+        src = (layout.num_stages - 1) * layout.dp_size + layout.dp_rank
+        dist.broadcast(loss, src=src, group=layout.pp_group)
+        return loss
