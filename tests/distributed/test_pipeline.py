@@ -57,6 +57,9 @@ def staged(rank: int, world: int, out: str, zero: int, schedule: str, precision:
     layout = model.pipe_layout
     engine, losses = train(model, layout.dp_size, layout.dp_rank, zero, schedule, precision)
     assert engine.is_pipe_parallel() and engine.is_first_stage() == (layout.stage == 0)
+    steps = engine.global_steps
+    losses.append(engine.eval_batch(iter(micro_batches(STEPS, layout.dp_size, layout.dp_rank))).item())
+    assert engine.global_steps == steps and engine.module.training
     state = {k: v.tolist() for k, v in engine.module.state_dict().items()}
     Path(out, f"rank{rank}.json").write_text(json.dumps({"losses": losses, "state": state,
                                                           "dp_rank": layout.dp_rank}))
@@ -66,6 +69,7 @@ def staged(rank: int, world: int, out: str, zero: int, schedule: str, precision:
 def reference(precision: str):
     model = PipelineModule(layers=layers(), loss_fn=nn.CrossEntropyLoss(), seed_layers=True)
     engine, losses = train(model, 1, 0, 0, "1f1b", precision)
+    losses.append(engine.eval_batch(iter(micro_batches(STEPS, 1, 0))).item())
     return {k: v.float() for k, v in engine.module.state_dict().items()}, losses
 
 

@@ -151,18 +151,8 @@ class PipelineBatches:
 
     def _train_stages(self, module: PipelineModule, it: Iterator) -> torch.Tensor:
         """One step of a PipelineModule split into stages (stages.py says how)."""
-        from .stages import PipeRunner
-
-        micro = []
-        for _ in range(self.gradient_accumulation_steps()):
-            batch = next(it)
-            if not (isinstance(batch, (tuple, list)) and len(batch) == 2 and all(map(torch.is_tensor, batch))):
-                raise ConfigError("engine.train_batch(): with pipeline stages each micro-batch must be "
-                                  "(inputs, labels), two tensors")
-            micro.append(batch)
-        if "_pipe_runner" not in self.__dict__:
-            self.__dict__["_pipe_runner"] = PipeRunner(self)
-        runner = self.__dict__["_pipe_runner"]
+        micro = self._stage_micro_batches(it, self.gradient_accumulation_steps(), "train_batch")
+        runner = self._runner()
         if not self._window_open:
             self.reducer.start_window()
         self._window_open = True
@@ -176,6 +166,42 @@ class PipelineBatches:
             loss = self._dp_mean([loss])
         return runner.broadcast_loss(loss)
 
+    def _stage_micro_batches(self, it: Iterator, n: int, what: str) -> List[Any]:
+        micro = []
+        for _ in range(n):
+            batch = next(it)
+            if not (isinstance(batch, (tuple, list)) and len(batch) == 2 and all(map(torch.is_tensor, batch))):
+                raise ConfigError(f"engine.{what}(): with pipeline stages each micro-batch must be "
+                                  "(inputs, labels), two tensors")
+            micro.append(batch)
+        return micro
+
+    def _runner(self) -> Any:
+        from .stages import PipeRunner
+
+        if "_pipe_runner" not in self.__dict__:
+            self.__dict__["_pipe_runner"] = PipeRunner(self)
+        return self.__dict__["_pipe_runner"]
+
+    def _eval_stages(self, module: PipelineModule, data_iter: Iterator, return_logits: bool,
+                     num_micro_batches: Optional[int]) -> torch.Tensor:
+        gas = self.gradient_accumulation_steps()
+        if return_logits or num_micro_batches not in (None, gas):
+            raise NotSupportedError("engine.eval_batch(): with pipeline stages, return_logits and a "
+                                    f"num_micro_batches other than gradient_accumulation_steps ({gas}) "
+                                    "are not supported yet")
+        micro = self._stage_micro_batches(data_iter, gas, "eval_batch")
+        was_training = module.training
+        self.eval()
+        try:
+            with torch.no_grad():
+                loss = self._runner().step(micro, train=False)
+        finally:
+            self.train(was_training)
+        if module.pipe_layout.last:
+            loss = self._dp_mean([loss])
+        return self._runner().broadcast_loss(loss)
+
     def eval_batch(self, data_iter: Iterator, return_logits: bool = False, compute_loss: bool = True,
                    reduce_output: Optional[str] = "avg", bcast_loss: bool = True,
                    num_micro_batches: Optional[int] = None) -> Any:
@@ -186,8 +212,7 @@ class PipelineBatches:
             raise ConfigError(f"eval_batch reduce_output: unknown; got {reduce_output!r}; allowed: 'avg', None")
         module = self._pipe_module("eval_batch")
         if module.pipe_layout is not None:
-            raise NotSupportedError("engine.eval_batch(): not supported yet for a PipelineModule of "
-                                    f"{module.num_stages} stages; evaluate with one stage")
+            return self._eval_stages(module, data_iter, return_logits, num_micro_batches)
         was_training = module.training
         self.eval()
         losses, outputs = [], None

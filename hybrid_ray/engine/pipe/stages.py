@@ -84,20 +84,21 @@ class PipeRunner:
             return loss.float() * self.scale
         return scaled
 
-    def step(self, micro: List[Any]) -> torch.Tensor:
-        """Forward and backward of every micro-batch `(inputs, labels)`; this pipeline's mean
-        loss (on the last stage; zero elsewhere)."""
+    def step(self, micro: List[Any], train: bool = True) -> torch.Tensor:
+        """Forward and backward (or, not `train`, forward only) of every micro-batch
+        `(inputs, labels)`; this pipeline's mean loss (on the last stage; zero elsewhere)."""
         layout, engine = self.layout, self.engine
         gas = engine.gradient_accumulation_steps()
-        self.scale = engine._scaler.loss_scale / gas
+        self.scale = engine._scaler.loss_scale / gas if train else 1.0
         inputs = torch.cat([m[0] for m in micro]).to(engine.topology.device)
         labels = torch.cat([m[1] for m in micro]).to(engine.topology.device)
         losses: List[torch.Tensor] = []
         kwargs = {"target": labels, "losses": losses} if layout.last else {}
+        run = self.schedule.step if train else self.schedule.eval
         if layout.first:
-            self.schedule.step(inputs, **kwargs)
+            run(inputs, **kwargs)
         else:
-            self.schedule.step(**kwargs)
+            run(**kwargs)
         if not layout.last:
             return torch.zeros((), device=engine.topology.device)
         return torch.stack([x.detach().float() for x in losses]).mean() / self.scale
