@@ -1,6 +1,7 @@
 """A PipelineModule split into stages (torch.distributed.pipelining under the engine) trains as
 one process does on the whole batch: 2 stages at data-parallel 1 and 2, GPipe and 1F1B, ZeRO 0
-and 1, gradient clipping over the whole model, in fp32 (relative error ~1e-6)."""
+and 1, gradient clipping over the whole model, a weight tied across stages, in fp32 (relative
+error ~1e-6), bf16 and fp16."""
 from __future__ import annotations
 
 import json
@@ -99,10 +100,41 @@ def test_stages_train_as_one_process(tmp_path: Path, world: int, zero: int, sche
         torch.testing.assert_close(merged[k], v, rtol=rtol, atol=atol)
 
 
+def tied_layers():
+    """An input projection whose transpose is the last stage's output projection, as GPT ties
+    its embedding and head: with uniform partition the two uses fall in different stages."""
+    return [TiedLayerSpec("proj", nn.Linear, 6, 16, bias=False), nn.Tanh(), LayerSpec(nn.Linear, 16, 16),
+            nn.Tanh(), TiedLayerSpec("proj", nn.Linear, 6, 16, bias=False, forward_fn=lambda m, x: x @ m.weight),
+            LayerSpec(nn.Linear, 6, 3)]
+
+
+def tied(rank: int, world: int, out: str) -> None:
+    model = PipelineModule(layers=tied_layers(), loss_fn=nn.CrossEntropyLoss(), num_stages=2,
+                           partition_method="uniform", seed_layers=True)
+    assert list(model.tie_groups) == ["proj"] and model.parts == [0, 3, 6]
+    layout = model.pipe_layout
+    engine, losses = train(model, layout.dp_size, layout.dp_rank, 1, "1f1b")
+    state = {k: v.tolist() for k, v in engine.module.state_dict().items()}
+    Path(out, f"rank{rank}.json").write_text(json.dumps({"losses": losses, "state": state}))
+    engine.destroy()
+
+
+def test_a_weight_tied_across_stages_trains_as_one_weight(tmp_path: Path) -> None:
+    # its two stages hold one copy each: gradients summed over both, counted once in the norm
+    # (clipping at 0.3 is active), so both copies stay equal to the one-process weight
+    spawn.run(tied, 2, str(tmp_path), timeout_s=60)
+    model = PipelineModule(layers=tied_layers(), loss_fn=nn.CrossEntropyLoss(), seed_layers=True)
+    engine, want_losses = train(model, 1, 0, 1, "1f1b")
+    want = engine.module.state_dict()
+    got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for g in got:
+        assert g["losses"] == pytest.approx(want_losses, rel=1e-5)
+        for k, v in g["state"].items():
+            torch.testing.assert_close(torch.tensor(v), want[k], rtol=1e-5, atol=1e-6)
+    assert "tied_modules.proj.weight" in got[0]["state"] and "tied_modules.proj.weight" in got[1]["state"]
+
+
 def refusals(rank: int, world: int) -> None:
-    with pytest.raises(NotSupportedError, match="tied across pipeline stages"):
-        PipelineModule(layers=[TiedLayerSpec("e", nn.Linear, 4, 4), nn.Tanh(), TiedLayerSpec("e", nn.Linear, 4, 4)],
-                       num_stages=2, partition_method="uniform")
     model = PipelineModule(layers=layers(), loss_fn=nn.CrossEntropyLoss(), num_stages=2)
     with pytest.raises(NotSupportedError, match="zero_optimization.stage: 2 with a 2-stage"):
         deepspeed.initialize(model=model, config=config(1, 2, "1f1b"))

@@ -16,13 +16,14 @@ that many layers under torch.utils.checkpoint, as DeepSpeed recomputes them.
 from __future__ import annotations
 
 import re
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
-from ...config import ConfigError, NotSupportedError
+from ...config import ConfigError
 from . import layout
 
 
@@ -110,7 +111,6 @@ class PipelineModule(nn.Module):
         self.pipe_layout = layout.build_layout(self.num_stages) if self.num_stages > 1 else None
         self.stage_id = self.pipe_layout.stage if self.pipe_layout else 0
         self.parts = self._partition(list(layers))
-        _check_tied(layers, self.parts)
         self.tied_modules = nn.ModuleDict()
         self._layers: List[Any] = []  # this stage's, in order: modules, tied uses, callables
         lo, hi = self.parts[self.stage_id], self.parts[self.stage_id + 1]
@@ -118,6 +118,38 @@ class PipelineModule(nn.Module):
             if seed_layers:
                 (seed_fn or torch.manual_seed)(base_seed + i)
             self._layers.append(self._build(layers[i], i))
+        # A tied module used by several stages lives on each of them: one group per key and
+        # pipeline makes their weights start equal and sums their gradients every step.
+        self.tie_groups: Dict[str, Tuple[Any, List[int]]] = {}
+        if self.pipe_layout is not None:
+            self._tie_across_stages(_tied_stages(layers, self.parts))
+
+    def _tie_across_stages(self, stages_of: Dict[str, List[int]]) -> None:
+        lay = self.pipe_layout
+        for key in sorted(stages_of):  # the same order on every rank: new_group is collective
+            stages = stages_of[key]
+            if len(stages) < 2:
+                continue
+            for d in range(lay.dp_size):
+                ranks = [s * lay.dp_size + d for s in stages]
+                group = dist.new_group(ranks)
+                if d == lay.dp_rank and lay.stage in stages:
+                    self.tie_groups[key] = (group, ranks)
+        for key, (group, ranks) in self.tie_groups.items():
+            for p in self.tied_modules[key].parameters():
+                dist.broadcast(p.data, src=ranks[0], group=group)
+
+    def reduce_tied_grads(self) -> None:
+        """Sum the gradients of weights tied across stages over the stages that hold them."""
+        for key, (group, _) in self.tie_groups.items():
+            for p in self.tied_modules[key].parameters():
+                if p.grad is not None:
+                    dist.all_reduce(p.grad, group=group)
+
+    def duplicate_tied_params(self) -> set:
+        """Ids of the tied weights that an earlier stage also holds (and counts in the norm)."""
+        return {id(p) for key, (_, ranks) in self.tie_groups.items() if dist.get_rank() != ranks[0]
+                for p in self.tied_modules[key].parameters()}
 
     def _partition(self, layers: List[Any]) -> List[int]:
         """Layer boundaries of the stages, by partition_method ('parameters' counts each
@@ -194,17 +226,13 @@ def _param_count(layer: Any) -> int:
     return 0
 
 
-def _check_tied(layers: Sequence[Any], parts: List[int]) -> None:
+def _tied_stages(layers: Sequence[Any], parts: List[int]) -> Dict[str, List[int]]:
     stages: Dict[str, set] = {}
     for s in range(len(parts) - 1):
         for layer in layers[parts[s]:parts[s + 1]]:
             if isinstance(layer, TiedLayerSpec):
                 stages.setdefault(layer.key, set()).add(s)
-    for key, where in stages.items():
-        if len(where) > 1:
-            raise NotSupportedError(f"PipelineModule TiedLayerSpec {key!r}: tied across pipeline stages "
-                                    f"{sorted(where)}, which is not supported yet; keep the tied layers "
-                                    "in one stage (partition_method) or untie them")
+    return {key: sorted(where) for key, where in stages.items()}
 
 
 def _chunk(funcs: List[Any]) -> Callable:

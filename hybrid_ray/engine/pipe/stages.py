@@ -9,8 +9,12 @@ gradient norm (clipping, the fp16 overflow check) sums over the stages too
 (Topology.model_group). The loss is scaled by the loss scale inside the schedule's loss function
 and its mean over micro-batches comes back unscaled.
 
+A weight tied across stages (TiedLayerSpec) lives on each stage that uses it: its gradients
+are summed over those stages before the data-parallel reduction, and only the first counts it
+in the norm.
+
 Not yet: ZeRO stages 2 and 3 (their gradients are reduced per micro-batch or gathered per
-module), checkpoints of a pipelined model, tied layers across stages.
+module), checkpoints of a pipelined model.
 """
 from __future__ import annotations
 
@@ -99,6 +103,9 @@ class PipeRunner:
             run(inputs, **kwargs)
         else:
             run(**kwargs)
+        if train:
+            engine.module.reduce_tied_grads()
+            engine.zero.norm_excluded = engine.module.duplicate_tied_params()
         if not layout.last:
             return torch.zeros((), device=engine.topology.device)
         return torch.stack([x.detach().float() for x in losses]).mean() / self.scale

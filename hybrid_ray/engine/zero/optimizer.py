@@ -55,6 +55,9 @@ class ZeroOptimizer:
             self.masters.append(torch.nn.Parameter(
                 shard if self.offload is None else self.offload.to_host(shard)))
         self.optimizer: Optional[torch.optim.Optimizer] = None
+        # Parameters (by id) whose gradient another rank of topo.model_group counts in the norm
+        # (a weight tied across pipeline stages): left out here so that it counts once.
+        self.norm_excluded: set = set()
         # What the next write_back copies from, per space (shard layout), when an update
         # prepared it (delayed update: the background thread); None: the masters themselves.
         self._sources: Optional[List[torch.Tensor]] = None
@@ -74,8 +77,8 @@ class ZeroOptimizer:
 
     def _sum_of_squares(self, grads: Optional[List[torch.Tensor]] = None) -> torch.Tensor:
         """Squared norm of this rank's master gradients (still scaled), summed over ranks."""
-        grads = [m.grad for m in self.masters] if grads is None else grads
-        grads = [g for g in grads if g.numel() > 0]
+        per_space = [m.grad for m in self.masters] if grads is None else grads
+        grads = [g for g in per_space if g.numel() > 0]
         if not grads:
             local = torch.zeros((), dtype=torch.float32, device=self.topo.device)
         elif grads[0].device.type == "cpu" and max(g.numel() for g in grads) >= _ROWS_FROM:
@@ -87,6 +90,8 @@ class ZeroOptimizer:
             acc = torch.float64 if grads[0].device.type == "cpu" else None
             norms = torch._foreach_norm(grads, 2.0, dtype=acc)
             local = torch.stack(norms).float().square().sum()
+        if self.norm_excluded:  # clamped: rounding must not turn an all-tied norm negative (nan)
+            local = (local - self._excluded_squares(per_space)).clamp_min(0)
         if self.topo.world_size > 1 and self.reducer.sharded:
             local = local.to(self.topo.device)  # host gradients (offload): NCCL reduces device tensors
             dist.all_reduce(local, group=self.topo.group)  # inf/nan anywhere reaches every rank
@@ -94,6 +99,23 @@ class ZeroOptimizer:
             local = local.to(self.topo.device)
             dist.all_reduce(local, group=self.topo.model_group)
         return local
+
+    def _excluded_squares(self, grads: List[torch.Tensor]) -> torch.Tensor:
+        """Squared norm of the norm_excluded parameters' part of this rank's master gradients
+        (`grads` as the masters: one per space, in shard layout)."""
+        parts = []
+        for space, grad in zip(self.spaces, grads):
+            for p, o in space.param_offsets():
+                if id(p) not in self.norm_excluded:
+                    continue
+                end = o + space.shapes[id(p)].numel()
+                for _, lo, hi, off in space.shard_slices():
+                    a, b = max(o, lo), min(end, hi)
+                    if a < b:
+                        parts.append(grad[off + a - lo:off + b - lo].double().square().sum())
+        if not parts:
+            return torch.zeros((), device=grads[0].device if grads else self.topo.device)
+        return torch.stack(parts).sum().float()
 
     def grad_divisor(self, loss_scale: float) -> float:
         """What the reduced master gradients must be divided by to be the true mean gradient."""
