@@ -162,3 +162,20 @@ def test_partition_is_the_most_balanced_cut_into_nonempty_stages() -> None:
         assert max(sum(w[b[i]:b[i + 1]]) for i in range(parts)) == best, (w, parts, b)
     with pytest.raises(ConfigError, match="3 layers cannot fill 4 stages"):
         partition([1, 1, 1], 4)
+
+
+def test_the_project_gpt_as_a_pipeline_module_is_the_same_model() -> None:
+    from hybrid_ray.lm.pipeline_model import gpt_pipeline
+    from hybrid_ray.models.gpt import GPT, GPT_SIZES
+
+    cfg = GPT_SIZES["tiny"]
+    torch.manual_seed(0)
+    gpt, piped = GPT(cfg), gpt_pipeline(cfg)
+    names = {"wte.weight": "tied_modules.embed.wte.weight", "wpe.weight": "tied_modules.embed.wpe.weight",
+             "ln_f.weight": f"{cfg.n_layer + 1}.weight", "ln_f.bias": f"{cfg.n_layer + 1}.bias"}
+    src = {k: v for k, v in gpt.state_dict().items() if k != "head.weight"}  # the head is wte
+    mapped = {names.get(k) or f"{int(k.split('.')[1]) + 1}." + k.split(".", 2)[2]: v for k, v in src.items()}
+    piped.load_state_dict(mapped, strict=True)
+    idx = torch.randint(0, cfg.vocab_size, (3, cfg.seq_len))
+    tgt = torch.randint(0, cfg.vocab_size, (3, cfg.seq_len))
+    torch.testing.assert_close(piped.loss_fn(piped(idx), tgt), gpt(idx, tgt), rtol=0, atol=0)

@@ -143,8 +143,11 @@ class PipelineModule(nn.Module):
         """Sum the gradients of weights tied across stages over the stages that hold them."""
         for key, (group, _) in self.tie_groups.items():
             for p in self.tied_modules[key].parameters():
-                if p.grad is not None:
-                    dist.all_reduce(p.grad, group=group)
+                # every holder takes part, with zeros if its stage left this parameter unused
+                grad = p.grad if p.grad is not None else torch.zeros_like(p)
+                dist.all_reduce(grad, group=group)
+                if p.grad is None:
+                    p.grad = grad
 
     def duplicate_tied_params(self) -> set:
         """Ids of the tied weights that an earlier stage also holds (and counts in the norm)."""
