@@ -156,7 +156,7 @@ class PipelineBatches:
         if not self._window_open:
             self.reducer.start_window()
         self._window_open = True
-        self.reducer.before_backward(False)  # the hooks wait: gradients accumulate in the flat buffer
+        self.reducer.hold()  # the hooks wait: the micro-batches' gradients accumulate
         loss = runner.step(micro)
         self.reducer.before_backward(True)  # then every bucket is reduced once over the replicas
         self.reducer.after_backward()

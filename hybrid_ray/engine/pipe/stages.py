@@ -3,8 +3,9 @@ with the other replicas of that stage, and torch.distributed.pipelining runs the
 through the stages (GPipe or 1F1B).
 
 How a step goes: the schedule runs every micro-batch's forward and backward with the gradient
-hooks disarmed, so gradients accumulate in the stage's flat buffer; then the buckets are reduced
-once over the stage's replicas, and the optimizer steps as after any accumulation window. The
+hooks disarmed, so gradients accumulate (in the stage's flat buffer at ZeRO 0/1, in .grad at
+ZeRO 2); then the buckets are reduced once over the stage's replicas (reduce-scattered at ZeRO
+2: the step's only gradient traffic), and the optimizer steps as after any accumulation window. The
 gradient norm (clipping, the fp16 overflow check) sums over the stages too
 (Topology.model_group). The loss is scaled by the loss scale inside the schedule's loss function
 and its mean over micro-batches comes back unscaled.
@@ -13,8 +14,8 @@ A weight tied across stages (TiedLayerSpec) lives on each stage that uses it: it
 are summed over those stages before the data-parallel reduction, and only the first counts it
 in the norm.
 
-Not yet: ZeRO stages 2 and 3 (their gradients are reduced per micro-batch or gathered per
-module), checkpoints of a pipelined model.
+Not yet: ZeRO stage 3 (its parameters would have to be gathered once per step, not per
+micro-batch), checkpoints of a pipelined model.
 """
 from __future__ import annotations
 
@@ -37,9 +38,9 @@ def stage_topology(model: nn.Module, topology: Topology, config: Config) -> Topo
     if layout is None:
         return topology
     stage = config.zero_optimization.stage
-    if stage > 1:
+    if stage > 2:
         raise NotSupportedError(f"zero_optimization.stage: {stage} with a {layout.num_stages}-stage "
-                                "PipelineModule is not supported yet; allowed: 0 or 1")
+                                "PipelineModule is not supported yet; allowed: 0, 1 or 2")
     return dataclasses.replace(topology, rank=layout.dp_rank, world_size=layout.dp_size,
                                group=layout.dp_group if layout.dp_size > 1 else None,
                                model_group=layout.pp_group)

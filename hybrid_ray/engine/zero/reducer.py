@@ -213,6 +213,13 @@ class GradReducer:
         for g in self.grads:
             g.pending = {b.index: len(b.params) for b in g.space.buckets}
 
+    def hold(self) -> None:
+        """Disarm the hooks for backwards that only accumulate: a pipeline schedule runs every
+        micro-batch's backward, and the buckets are reduced once afterwards
+        (before_backward(True) then after_backward()), at stage 2 too (autograd sums the
+        micro-batches into .grad meanwhile)."""
+        self._armed = False
+
     def after_backward(self) -> None:
         """Reduce whatever the hooks did not launch, then wait for all collectives."""
         if self._armed:
