@@ -11,13 +11,14 @@ is the only way in, as in DeepSpeed.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Iterable, Iterator, List, Optional
 
 import torch
 import torch.distributed as dist
 
 from ...config import ConfigError, NotSupportedError
-from .module import PipelineModule
+from .module import PipelineModule, layout_of
 
 
 class RepeatingLoader:
@@ -55,7 +56,7 @@ class PipelineBatches:
     """Engine mixin: DeepSpeed's PipelineEngine batch API over the Engine's own step."""
 
     def _pipe_layout(self) -> Any:
-        return getattr(self.module, "pipe_layout", None) if isinstance(self.module, PipelineModule) else None
+        return layout_of(self.module)
 
     @property
     def dp_rank(self) -> int:
@@ -162,9 +163,13 @@ class PipelineBatches:
         self.reducer.after_backward()
         for _ in micro:
             self.step()
+        return self._pipeline_loss(module, loss)
+
+    def _pipeline_loss(self, module: PipelineModule, loss: torch.Tensor) -> torch.Tensor:
+        """The last stage's mean over the data-parallel replicas, on every stage."""
         if module.pipe_layout.last:
             loss = self._dp_mean([loss])
-        return runner.broadcast_loss(loss)
+        return self._runner().broadcast_loss(loss)
 
     def _stage_micro_batches(self, it: Iterator, n: int, what: str) -> List[Any]:
         micro = []
@@ -191,16 +196,20 @@ class PipelineBatches:
                                     f"num_micro_batches other than gradient_accumulation_steps ({gas}) "
                                     "are not supported yet")
         micro = self._stage_micro_batches(data_iter, gas, "eval_batch")
+        with self._evaluating(module):
+            loss = self._runner().step(micro, train=False)
+        return self._pipeline_loss(module, loss)
+
+    @contextlib.contextmanager
+    def _evaluating(self, module: PipelineModule) -> Iterator[None]:
+        """Eval mode without gradients inside, the module's mode restored after."""
         was_training = module.training
         self.eval()
         try:
             with torch.no_grad():
-                loss = self._runner().step(micro, train=False)
+                yield
         finally:
             self.train(was_training)
-        if module.pipe_layout.last:
-            loss = self._dp_mean([loss])
-        return self._runner().broadcast_loss(loss)
 
     def eval_batch(self, data_iter: Iterator, return_logits: bool = False, compute_loss: bool = True,
                    reduce_output: Optional[str] = "avg", bcast_loss: bool = True,
@@ -213,15 +222,10 @@ class PipelineBatches:
         module = self._pipe_module("eval_batch")
         if module.pipe_layout is not None:
             return self._eval_stages(module, data_iter, return_logits, num_micro_batches)
-        was_training = module.training
-        self.eval()
         losses, outputs = [], None
-        try:
-            with torch.no_grad():
-                for _ in range(num_micro_batches or self.gradient_accumulation_steps()):
-                    loss, outputs = self._loss_of(module, next(data_iter), "eval_batch")
-                    losses.append(loss if compute_loss else outputs)
-        finally:
-            self.train(was_training)
+        with self._evaluating(module):
+            for _ in range(num_micro_batches or self.gradient_accumulation_steps()):
+                loss, outputs = self._loss_of(module, next(data_iter), "eval_batch")
+                losses.append(loss if compute_loss else outputs)
         result: Any = self._dp_mean(losses) if reduce_output == "avg" else [x.detach() for x in losses]
         return (result, outputs) if return_logits else result

@@ -207,10 +207,15 @@ class PipelineModule(nn.Module):
         return x
 
     def topology(self) -> None:
-        return None  # no process topology of its own: one stage, the engine's data-parallel group
+        return None  # no DeepSpeed ProcessTopology object: the placement is `pipe_layout`
 
     def num_pipeline_stages(self) -> int:
         return self.num_stages
+
+
+def layout_of(model: Any) -> Optional["layout.PipeLayout"]:
+    """The stage placement of a PipelineModule split into stages, else None."""
+    return model.pipe_layout if isinstance(model, PipelineModule) else None
 
 
 def _type_name(layer: Any) -> str:
@@ -220,9 +225,7 @@ def _type_name(layer: Any) -> str:
 
 
 def _param_count(layer: Any) -> int:
-    if isinstance(layer, TiedLayerSpec):
-        layer = layer.build()
-    elif isinstance(layer, LayerSpec):
+    if isinstance(layer, LayerSpec):  # a TiedLayerSpec too
         layer = layer.build()  # built to be counted, then dropped (DeepSpeed does the same)
     if isinstance(layer, nn.Module):
         return sum(p.numel() for p in layer.parameters())

@@ -28,13 +28,13 @@ import torch.nn as nn
 from ...config import Config, ConfigError, NotSupportedError
 from ..precision import autocast_region
 from ..topology import Topology
-from .module import PipelineModule
+from .module import PipelineModule, layout_of
 
 
 def stage_topology(model: nn.Module, topology: Topology, config: Config) -> Topology:
     """The engine's data-parallel layout for `model`: its stage's replicas when it is split into
     stages, else `topology` as given."""
-    layout = getattr(model, "pipe_layout", None) if isinstance(model, PipelineModule) else None
+    layout = layout_of(model)
     if layout is None:
         return topology
     stage = config.zero_optimization.stage

@@ -189,7 +189,9 @@ class Stage3Controller:
         # torch.compile must run these eagerly, not trace them: traced, the `p.data = view`
         # swaps become in-place updates inside the graph that bump the parameters' version
         # counters, and the backward then refuses the tensors it saved (at 2+ ranks, where units
-        # really are gathered and released). Each hook is a graph break, as in DeepSpeed.
+        # really are gathered and released). Each hook is a graph break, as in DeepSpeed. (The
+        # tensor hooks post_forward registers run in autograd's backward, which dynamo does not
+        # trace: engine.compile() refuses compiled autograd.)
         pre_forward, post_forward = torch.compiler.disable(pre_forward), torch.compiler.disable(post_forward)
         self._handles.append(unit.module.register_forward_pre_hook(pre_forward))
         self._handles.append(unit.module.register_forward_hook(post_forward))
@@ -205,7 +207,6 @@ class Stage3Controller:
             if ctl is not None and u is not None:
                 ctl._before_use(u, forward=False)
             return grad
-        pre_backward = torch.compiler.disable(pre_backward)
         for t in _tensors(output):
             if t.requires_grad:
                 t.register_hook(pre_backward)
