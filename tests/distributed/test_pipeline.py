@@ -61,10 +61,33 @@ def staged(rank: int, world: int, out: str, zero: int, schedule: str, precision:
     steps = engine.global_steps
     losses.append(engine.eval_batch(iter(micro_batches(STEPS, layout.dp_size, layout.dp_rank))).item())
     assert engine.global_steps == steps and engine.module.training
+    dump(engine, losses, out, rank)
+
+
+def dump(engine, losses, out: str, rank: int) -> None:
+    """This rank's losses and stage weights, for the test process to compare; the engine ends."""
     state = {k: v.tolist() for k, v in engine.module.state_dict().items()}
-    Path(out, f"rank{rank}.json").write_text(json.dumps({"losses": losses, "state": state,
-                                                          "dp_rank": layout.dp_rank}))
+    Path(out, f"rank{rank}.json").write_text(json.dumps({"losses": losses, "state": state}))
     engine.destroy()
+
+
+def assert_like_one_process(out: Path, world: int, want_state: dict, want_losses: list,
+                            rtol: float, atol: float, loss_tol: dict) -> list:
+    """Every rank reports the one-process losses; copies of a weight (a stage's replicas, a
+    tie's stages) are bitwise equal; together the stages hold the one-process weights."""
+    got = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+    for g in got:  # every stage of every replica reports the pipeline's loss
+        assert g["losses"] == pytest.approx(want_losses, **loss_tol)
+    merged = {}
+    for g in got:
+        for k, v in g["state"].items():
+            if k in merged:
+                torch.testing.assert_close(torch.tensor(v), merged[k], rtol=0, atol=0)
+            merged[k] = torch.tensor(v)
+    assert sorted(merged) == sorted(want_state)
+    for k, v in want_state.items():
+        torch.testing.assert_close(merged[k], v.float(), rtol=rtol, atol=atol)
+    return got
 
 
 def reference(precision: str):
@@ -86,18 +109,7 @@ def test_stages_train_as_one_process(tmp_path: Path, world: int, zero: int, sche
     spawn.run(staged, world, str(tmp_path), zero, schedule, precision, timeout_s=60)
     want_state, want_losses = reference(precision)
     rtol, atol = TOL[precision]
-    got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
-    for g in got:  # every stage of every replica reports the pipeline's loss
-        assert g["losses"] == pytest.approx(want_losses, rel=rtol, abs=atol)
-    merged = {}
-    for g in got:
-        for k, v in g["state"].items():
-            if k in merged:  # another replica of the same stage: the same weights
-                torch.testing.assert_close(torch.tensor(v), merged[k], rtol=0, atol=0)
-            merged[k] = torch.tensor(v)
-    assert sorted(merged) == sorted(want_state)
-    for k, v in want_state.items():
-        torch.testing.assert_close(merged[k], v, rtol=rtol, atol=atol)
+    assert_like_one_process(tmp_path, world, want_state, want_losses, rtol, atol, {"rel": rtol, "abs": atol})
 
 
 def tied_layers():
@@ -114,9 +126,7 @@ def tied(rank: int, world: int, out: str) -> None:
     assert list(model.tie_groups) == ["proj"] and model.parts == [0, 3, 6]
     layout = model.pipe_layout
     engine, losses = train(model, layout.dp_size, layout.dp_rank, 1, "1f1b")
-    state = {k: v.tolist() for k, v in engine.module.state_dict().items()}
-    Path(out, f"rank{rank}.json").write_text(json.dumps({"losses": losses, "state": state}))
-    engine.destroy()
+    dump(engine, losses, out, rank)
 
 
 def test_a_weight_tied_across_stages_trains_as_one_weight(tmp_path: Path) -> None:
@@ -125,12 +135,7 @@ def test_a_weight_tied_across_stages_trains_as_one_weight(tmp_path: Path) -> Non
     spawn.run(tied, 2, str(tmp_path), timeout_s=60)
     model = PipelineModule(layers=tied_layers(), loss_fn=nn.CrossEntropyLoss(), seed_layers=True)
     engine, want_losses = train(model, 1, 0, 1, "1f1b")
-    want = engine.module.state_dict()
-    got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
-    for g in got:
-        assert g["losses"] == pytest.approx(want_losses, rel=1e-5)
-        for k, v in g["state"].items():
-            torch.testing.assert_close(torch.tensor(v), want[k], rtol=1e-5, atol=1e-6)
+    got = assert_like_one_process(tmp_path, 2, engine.module.state_dict(), want_losses, 1e-5, 1e-6, {"rel": 1e-5})
     assert "tied_modules.proj.weight" in got[0]["state"] and "tied_modules.proj.weight" in got[1]["state"]
 
 
@@ -185,18 +190,12 @@ def gpt_run(num_stages: int, dp: int, dp_rank: int, zero: int = 1):
 def gpt_staged(rank: int, world: int, out: str, zero: int) -> None:
     engine, losses = gpt_run(2, world // 2, rank % (world // 2), zero)
     assert "embed" in engine.module.tie_groups  # embedding on stage 0, head on stage 1
-    state = {k: v.tolist() for k, v in engine.module.state_dict().items()}
-    Path(out, f"rank{rank}.json").write_text(json.dumps({"losses": losses, "state": state}))
-    engine.destroy()
+    dump(engine, losses, out, rank)
 
 
 @pytest.mark.parametrize("world,zero", [(2, 1), (4, 2)])
 def test_the_project_gpt_in_two_stages_trains_as_one_process(tmp_path: Path, world: int, zero: int) -> None:
     spawn.run(gpt_staged, world, str(tmp_path), zero, timeout_s=90)
     engine, want_losses = gpt_run(1, 1, 0)
-    want = engine.module.state_dict()
-    for r in range(world):
-        got = json.loads((tmp_path / f"rank{r}.json").read_text())
-        assert got["losses"] == pytest.approx(want_losses, rel=1e-5)
-        for k, v in got["state"].items():  # dp 2 sums in another order: AdamW moves ~1e-6 apart
-            torch.testing.assert_close(torch.tensor(v), want[k], rtol=1e-4, atol=1e-5)
+    # dp 2 sums in another order: AdamW moves the weights ~1e-6 apart
+    assert_like_one_process(tmp_path, world, engine.module.state_dict(), want_losses, 1e-4, 1e-5, {"rel": 1e-5})
