@@ -32,7 +32,7 @@ def initialize(model: nn.Module, model_parameters: Any = None, config: Any = Non
                collate_fn: Any = None, topology: Optional[Topology] = None,
                dist_init_required: Optional[bool] = None, mpu: Any = None,
                distributed_port: Optional[int] = None, print_steps: bool = True,
-               ) -> Tuple[DeepSpeedEngine, Any, Any, Any]:
+               tp_plan: Any = None) -> Tuple[DeepSpeedEngine, Any, Any, Any]:
     """Build the engine; returns (engine, optimizer, dataloader, lr_scheduler) like DeepSpeed.
 
     Positionally (model, model_parameters, config), as the seed document writes it; DeepSpeed
@@ -45,7 +45,9 @@ def initialize(model: nn.Module, model_parameters: Any = None, config: Any = Non
     environment, joined through init_distributed as DeepSpeed does (a launcher's group of one
     too); `dist_init_required=False` skips that. mpu: refused unless its model-parallel world size is 1. print_steps: DeepSpeed's
     progress line every steps_per_print steps (off for callers that print their own, such as
-    the LM job).
+    the LM job). tp_plan: with tensor_model_parallel_size > 1, how the model is split
+    ({module-name pattern: 'colwise' | 'rowwise' | 'sequence' | a torch ParallelStyle}; default:
+    the model's own tp_plan()).
     """
     if model is None:
         raise ConfigError("model: missing; got None; pass the nn.Module to train (model=...)")
@@ -68,7 +70,7 @@ def initialize(model: nn.Module, model_parameters: Any = None, config: Any = Non
     factory = isinstance(lr_scheduler, type) or (callable(lr_scheduler) and not hasattr(lr_scheduler, "step"))
     engine = DeepSpeedEngine(model, config, model_parameters, client_optimizer,
                              None if factory else lr_scheduler, loss_scaler, topology,
-                             print_steps=print_steps)
+                             print_steps=print_steps, tp_plan=tp_plan)
     if factory and engine.lr_scheduler is None:
         engine.lr_scheduler = lr_scheduler(engine.optimizer)
     loader = None

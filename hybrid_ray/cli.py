@@ -96,10 +96,14 @@ def _batch_words(cfg: Config, world_size: Optional[int]) -> str:
     the engine would at that world size); '' without a world size."""
     if world_size is None:
         return ""
-    b = cfg.resolve_batch(_world_size(world_size))
+    dp = cfg.data_parallel_size(_world_size(world_size))
+    b = cfg.resolve_batch(dp)
+    ranks = "ranks" if dp == world_size else (
+        f"data-parallel ranks (tensor {cfg.tensor_model_parallel_size} x pipeline "
+        f"{cfg.pipeline_model_parallel_size} ranks per replica)")
     return (f"; world size {world_size}: batch {b.train_batch_size} = micro-batch "
             f"{b.micro_batch_size} x {b.gradient_accumulation_steps} accumulation steps x "
-            f"{world_size} ranks")
+            f"{dp} {ranks}")
 
 
 def _train(args: argparse.Namespace) -> int:

@@ -61,7 +61,8 @@ class DeepSpeedEngine(Engine):
 
     @property
     def mp_world_size(self) -> int:
-        return self.module.num_stages if self.is_pipe_parallel() else 1  # the pipeline's stages (no TP yet)
+        stages = self.module.num_stages if self.is_pipe_parallel() else 1
+        return stages * self.tp_world_size  # the ranks that hold one model replica
 
     def get_data_parallel_group(self) -> Any:
         """The data-parallel process group (None in a single process without a group)."""

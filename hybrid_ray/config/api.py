@@ -101,10 +101,8 @@ def _check_supported(cfg: Config) -> None:
         _refuse(getattr(zero, key), f"zero_optimization.{key}", True,
                 "allowed: false (ZeRO++ quantized communication is not supported)")
     _refuse(ac.partition_activations, "activation_checkpointing.partition_activations",
-            ac.partition_activations, "allowed: false (partitioning activations across ranks "
-            "needs tensor parallelism, which is planned)")
-    _refuse(cfg.tensor_model_parallel_size > 1, "tensor_model_parallel_size",
-            cfg.tensor_model_parallel_size, "allowed: 1 (tensor parallelism is planned)")
+            ac.partition_activations, "allowed: false (checkpointed activations are not split "
+            "across tensor-parallel ranks; a tp_plan's 'sequence' entries split the activations)")
     _refuse(cfg.fp16.fp16_master_weights_and_grads, "fp16.fp16_master_weights_and_grads", True,
             "allowed: false (master weights and gradients are fp32)")
     _refuse(cfg.sparse_gradients, "sparse_gradients", True,
@@ -116,5 +114,4 @@ def _check_supported(cfg: Config) -> None:
     for monitor in ("tensorboard", "wandb", "csv_monitor"):
         _refuse(getattr(cfg, monitor).enabled, f"{monitor}.enabled", True,
                 "allowed: false (metrics are recorded in MLflow: hybrid_ray.tracking)")
-    _refuse(cfg.pipeline_model_parallel_size > 1, "pipeline_model_parallel_size",
-            cfg.pipeline_model_parallel_size, "allowed: 1 (pipeline parallelism is planned)")
+

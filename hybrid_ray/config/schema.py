@@ -134,6 +134,16 @@ class Config:
         """{'zero_optimization.stage': 2, ...} with scalar values, for logging as run params."""
         return flatten(self.to_dict())
 
+    def data_parallel_size(self, world_size: int) -> int:
+        """world / (tensor * pipeline): the ranks that each hold a whole model replica's share."""
+        per_replica = self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+        if world_size % per_replica:
+            raise config_error("tensor_model_parallel_size", "does not fit the world size",
+                               Verbatim(f"{self.tensor_model_parallel_size} * pipeline_model_parallel_size "
+                                        f"{self.pipeline_model_parallel_size} with world size {world_size}"),
+                               "allowed: a product that divides the world size")
+        return world_size // per_replica
+
     def resolve_batch(self, dp_size: int) -> BatchSizes:
         """Apply train_batch_size = micro * gradient_accumulation_steps * dp_size (DeepSpeed)."""
         return resolve_batch(self.train_batch_size, self.train_micro_batch_size_per_gpu,

@@ -21,11 +21,15 @@ OPTIMIZERS = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam, "SGD": torch
 
 
 def param_groups(model: nn.Module, model_parameters: Optional[Iterable] = None,
-                 optimizer: Optional[torch.optim.Optimizer] = None) -> List[ParamGroup]:
+                 optimizer: Optional[torch.optim.Optimizer] = None,
+                 renamed: Optional[Dict[int, nn.Parameter]] = None) -> List[ParamGroup]:
     """Trainable parameters split into optimizer groups, deduplicated (tied weights once).
 
     Source, first that is given: the client optimizer's groups, `model_parameters` (parameters
     or DeepSpeed/torch-style group dicts), else all of the model's trainable parameters.
+    renamed: given when the model was split across processes before this (tensor parallelism,
+    pipeline stages): the parameters the caller listed are replaced by their local shards, and
+    those this rank no longer holds are left out.
     """
     if optimizer is not None:
         raw = [(list(g["params"]), {k: v for k, v in g.items() if k != "params"})
@@ -38,6 +42,10 @@ def param_groups(model: nn.Module, model_parameters: Optional[Iterable] = None,
             raw = [(items, {})]
     else:
         raw = [(list(model.parameters()), {})]
+    if renamed is not None:
+        held = {id(p) for p in model.parameters()}
+        raw = [([q for q in (renamed.get(id(p), p) for p in params) if id(q) in held], hyper)
+               for params, hyper in raw]
     seen, groups = set(), []
     for params, hyper in raw:
         unique = [p for p in params if p.requires_grad and id(p) not in seen and not seen.add(id(p))]

@@ -38,7 +38,7 @@ from .precision import HALF, PrecisionPolicy, autocast_region, cast_floating, dt
 from .flops.profiler import StepProfiler
 from .lifecycle import EngineLifecycle, track
 from .pipe import PipelineBatches
-from .pipe.stages import stage_topology
+from .parallelism import parallel_topology, whole_state
 from .zero.reducer import GradReducer, ReduceOptions
 from .schedulers import build_scheduler
 from .topology import Topology
@@ -57,9 +57,14 @@ class Engine(EngineLifecycle, DeepSpeedAccessors, PipelineBatches):
 
     def __init__(self, model: nn.Module, config: Any, model_parameters: Any = None,
                  optimizer: Optional[torch.optim.Optimizer] = None, lr_scheduler: Any = None,
-                 loss_scaler: Any = None, topology: Optional[Topology] = None):
+                 loss_scaler: Any = None, topology: Optional[Topology] = None,
+                 tp_plan: Optional[Mapping[str, Any]] = None):
         self.config: Config = load_config(config)
-        self.topology = stage_topology(model, topology or Topology.from_environment(), self.config)
+        self.topology, placed = parallel_topology(model, topology or Topology.from_environment(),
+                                                  self.config, tp_plan)
+        self._placed = placed
+        # Parameters whose values every tensor-parallel rank shares: counted once in the norm.
+        self._norm_once = placed.replicated if placed and self.topology.mesh.tp_rank > 0 else set()
         self.batch = self.config.resolve_batch(self.topology.world_size)
         self.module = model.to(self.topology.device)
         self.counters = StepCounters()  # global_steps, micro_steps, ... (accessors.py)
@@ -72,7 +77,8 @@ class Engine(EngineLifecycle, DeepSpeedAccessors, PipelineBatches):
         self.training_dataloader: Any = None
         self.checkpointer = Checkpointer(self.topology, self.train_state, self.finish_delayed_update,
                                          self._log)
-        self._groups = build.param_groups(model, model_parameters, optimizer)
+        self._groups = build.param_groups(model, model_parameters, optimizer,
+                                          placed.renamed if placed else None)
         self._build_precision(self._scheduled_dtype(0))
         self.checkpointing = apply_activation_checkpointing(self.module, self.config.activation_checkpointing)
         self._build_zero(self._groups)
@@ -118,6 +124,7 @@ class Engine(EngineLifecycle, DeepSpeedAccessors, PipelineBatches):
         self.reducer = GradReducer(self.spaces, topo, ReduceOptions.from_config(zc, partition_params),
                                    reduction_setup(self.config), offload)
         self.zero = ZeroOptimizer(self.spaces, self.reducer, topo)
+        self.zero.norm_excluded = set(self._norm_once)
         self.stage3: Optional[stage3.Stage3Controller] = None
         if partition_params:  # after the masters are built from the whole parameters
             self.stage3 = stage3.build_controller(self.spaces, unit_of_space, unit_mods, topo,
@@ -308,10 +315,14 @@ class Engine(EngineLifecycle, DeepSpeedAccessors, PipelineBatches):
     def consolidated_state_dict(self, dtype: torch.dtype = torch.float32,
                                 rank0_only: bool = True) -> dict:
         """The full model state on the CPU of rank 0 (every rank with rank0_only=False), from the
-        fp32 masters, for export: works at every stage, gathering one flat space at a time.
+        fp32 masters, for export: works at every stage, gathering one flat space at a time, and
+        with the model split (tensor parallelism, stages) under the unsplit model's names.
         All ranks must call it."""
-        return relayout.consolidated_state_dict(self.module, self.spaces, self.zero.masters,
-                                                self.topology, dtype, rank0_only)
+        mesh, layout = self.topology.mesh, self._pipe_layout()
+        split = mesh is not None or layout is not None
+        state = relayout.consolidated_state_dict(self.module, self.spaces, self.zero.masters,
+                                                 self.topology, dtype, rank0_only and not split)
+        return whole_state(state, self._placed, mesh, layout, self.device, rank0_only) if split else state
 
     def save_checkpoint(self, save_dir: str, tag: Optional[str] = None,
                         client_state: Optional[dict] = None, async_save: Optional[bool] = None) -> str:

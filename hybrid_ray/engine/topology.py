@@ -9,7 +9,7 @@ import datetime
 import os
 import threading
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -36,7 +36,10 @@ class Topology:
     abort: set by whoever tears the group down (the Ray worker, when a peer is lost): waits that
       depend on the other ranks, such as a checkpoint commit, end at once instead of timing out.
     model_group: the other ranks that hold other parts of the same model replica (a pipeline's
-      stages), or None: the gradient norm (clipping, the overflow check) sums over it as well.
+      stages, its tensor-parallel shards), or None: the gradient norm (clipping, the overflow
+      check) sums over it as well.
+    mesh: the (pp, dp, tp) layout (engine/mesh.py ParallelMesh) when tensor parallelism or the
+      config's pipeline_model_parallel_size placed the model, else None.
     """
 
     rank: int
@@ -45,6 +48,7 @@ class Topology:
     group: Optional[dist.ProcessGroup] = None
     abort: threading.Event = field(default_factory=threading.Event, compare=False, repr=False)
     model_group: Optional[dist.ProcessGroup] = field(default=None, compare=False, repr=False)
+    mesh: Optional[Any] = field(default=None, compare=False, repr=False)
 
     @property
     def is_distributed(self) -> bool:

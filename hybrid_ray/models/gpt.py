@@ -6,7 +6,7 @@ output head, SDPA attention), so benchmark figures compare like with like.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Any, Dict, Optional
 
 import torch
 import torch.nn as nn
@@ -41,6 +41,7 @@ class Block(nn.Module):
         super().__init__()
         d = cfg.d_model
         self.n_head = cfg.n_head
+        self.head_dim = cfg.d_model // cfg.n_head
         self.dropout = cfg.dropout
         self.ln1 = nn.LayerNorm(d)
         b = cfg.bias
@@ -51,12 +52,14 @@ class Block(nn.Module):
         self.out = nn.Linear(4 * d, d, bias=b)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(C, dim=2)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        # Shapes from qkv's output, heads as -1: under tensor parallelism x holds a slice of the
+        # sequence and qkv this rank's heads (tp_plan below); whole, the same as (B, T, 3C).
+        qkv = self.qkv(self.ln1(x))
+        B, T, _ = qkv.shape
+        q, k, v = (t.view(B, T, -1, self.head_dim).transpose(1, 2) for t in qkv.chunk(3, dim=2))
         drop = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=drop)
-        x = x + self.proj(y.transpose(1, 2).reshape(B, T, C))
+        x = x + self.proj(y.transpose(1, 2).reshape(B, T, -1))
         return x + self.out(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
 
 
@@ -93,6 +96,28 @@ class GPT(nn.Module):
         # The loss in fp32 whatever the compute dtype: a half-precision log-softmax over a large
         # vocabulary loses the small probabilities the loss is made of.
         return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+
+    def tp_plan(self) -> Dict[str, Any]:
+        """How tensor parallelism splits this model (initialize's tp_plan; the engine asks for it
+        when tensor_model_parallel_size > 1 and none is given): Megatron's attention and MLP
+        split (q, k, v and fc column-wise, proj and out row-wise) with sequence-parallel norms,
+        the embedding split over the vocabulary and the tied head over the same rows, as
+        torchtitan does. The sequence is split after the position embedding is added, so
+        seq_len must divide by the tensor-parallel size, and n_head too."""
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
+                                                       RowwiseParallel)
+
+        return {
+            "wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+            "blocks.0": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
+                                           use_local_output=True),
+            "blocks.*.ln1": "sequence", "blocks.*.ln2": "sequence", "ln_f": "sequence",
+            "blocks.*.qkv": "colwise:3",  # q, k and v each split, so a rank holds whole heads
+            "blocks.*.fc": "colwise",
+            "blocks.*.proj": "rowwise", "blocks.*.out": "rowwise",
+            "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+        }
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

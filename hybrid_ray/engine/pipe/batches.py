@@ -69,7 +69,13 @@ class PipelineBatches:
 
     @property
     def tp_rank(self) -> int:
-        return 0  # no tensor parallelism yet
+        mesh = self.topology.mesh
+        return 0 if mesh is None else mesh.tp_rank
+
+    @property
+    def tp_world_size(self) -> int:
+        mesh = self.topology.mesh
+        return 1 if mesh is None else mesh.tp
 
     def is_pipe_parallel(self) -> bool:
         return self._pipe_layout() is not None
@@ -83,6 +89,9 @@ class PipelineBatches:
         return layout is None or layout.last
 
     def _refuse_stages(self, what: str) -> None:
+        if what.endswith("checkpoint") and self.tp_world_size > 1:
+            raise NotSupportedError(f"engine.{what}(): checkpoints of a model split by tensor "
+                                    "parallelism are not supported yet")
         if self._pipe_layout() is None:
             return
         if what in ("forward", "backward"):  # DeepSpeed's PipelineEngine refuses them too

@@ -1,7 +1,9 @@
 """Where a process sits when the world is split into pipeline stages: a (pp, dp) DeviceMesh,
 the pipeline axis outermost as in DeepSpeed's PipeDataParallelTopology (rank = stage * dp + d).
 Every rank of a stage is a data-parallel replica of that stage; ranks with the same d form one
-pipeline."""
+pipeline. With tensor parallelism too the engine re-places the stages on its (pp, dp, tp) mesh
+(engine/mesh.py): a stage then has dp * tp ranks, each the head of its own pipeline
+(`pipes` of them, rank = stage * pipes + pipe_index either way)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -22,6 +24,18 @@ class PipeLayout:
     pp_group: Any  # this rank's pipeline: the stages with the same data-parallel index
     dp_group: Any  # this stage's data-parallel replicas
     mesh: Any = None
+    pipes: int = 0  # ranks per stage (dp, or dp * tp); 0: dp_size
+    pipe_index: int = -1  # which of them this rank is; -1: dp_rank
+
+    def __post_init__(self) -> None:
+        if self.pipes == 0:
+            object.__setattr__(self, "pipes", self.dp_size)
+        if self.pipe_index < 0:
+            object.__setattr__(self, "pipe_index", self.dp_rank)
+
+    def pipeline_ranks(self, stages: List[int], pipe: int) -> List[int]:
+        """The global ranks of pipeline `pipe` at `stages`."""
+        return [s * self.pipes + pipe for s in stages]
 
     @property
     def first(self) -> bool:
@@ -49,6 +63,12 @@ def build_layout(num_stages: int, device: Optional[torch.device] = None) -> Pipe
     mesh = init_device_mesh(device_type, (num_stages, dp), mesh_dim_names=("pp", "dp"))
     return PipeLayout(num_stages, rank // dp, rank % dp, dp, mesh.get_group("pp"),
                       mesh.get_group("dp"), mesh)
+
+
+def layout_on_mesh(pm: Any) -> PipeLayout:
+    """The stage placement on the engine's (pp, dp, tp) mesh (a ParallelMesh)."""
+    return PipeLayout(pm.pp, pm.pp_rank, pm.dp_rank, pm.dp, pm.pp_group, pm.dp_group, pm.mesh,
+                      pipes=pm.dp * pm.tp, pipe_index=pm.dp_rank * pm.tp + pm.tp_rank)
 
 
 def partition(weights: List[float], parts: int) -> List[int]:

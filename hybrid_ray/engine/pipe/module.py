@@ -107,6 +107,10 @@ class PipelineModule(nn.Module):
         self.activation_checkpoint_func = activation_checkpoint_func or (
             lambda fn, *args: torch_checkpoint(fn, *args, use_reentrant=False))
         self.checkpointable_layers = checkpointable_layers
+        # Without num_stages the config's pipeline_model_parallel_size decides, at initialize
+        # (place()): the layers are kept so they can be cut then.
+        self.stages_given = num_stages is not None or topology is not None
+        self._specs = None if self.stages_given else list(layers)
         # More than one stage: this rank builds only its stage's layers (layout.py places it).
         self.pipe_layout = layout.build_layout(self.num_stages) if self.num_stages > 1 else None
         self.stage_id = self.pipe_layout.stage if self.pipe_layout else 0
@@ -124,16 +128,36 @@ class PipelineModule(nn.Module):
         if self.pipe_layout is not None:
             self._tie_across_stages(_tied_stages(layers, self.parts))
 
+    def place(self, lay: "layout.PipeLayout") -> None:
+        """Cut a module built whole (no num_stages) into lay.num_stages stages and keep this
+        rank's: the engine does it when the config's pipeline_model_parallel_size asks for
+        stages. The layers were built in one-process order, so a stage's weights are the ones a
+        single process starts from. Collective (the tie groups)."""
+        if self.stages_given or self.num_stages != 1:
+            raise ConfigError("PipelineModule.place(): only a module built without num_stages can be "
+                              f"cut into stages; this one has num_stages={self.num_stages}")
+        specs, built = self._specs, self._layers
+        self.num_stages, self.pipe_layout, self.stage_id = lay.num_stages, lay, lay.stage
+        self.parts = self._partition(specs)
+        lo, hi = self.parts[self.stage_id], self.parts[self.stage_id + 1]
+        for i in [i for i in range(len(specs)) if not lo <= i < hi]:
+            self._modules.pop(str(i), None)
+        keys = {spec.key for spec in specs[lo:hi] if isinstance(spec, TiedLayerSpec)}
+        for key in [k for k in self.tied_modules if k not in keys]:
+            del self.tied_modules[key]
+        self._layers = built[lo:hi]
+        self._tie_across_stages(_tied_stages(specs, self.parts))
+
     def _tie_across_stages(self, stages_of: Dict[str, List[int]]) -> None:
         lay = self.pipe_layout
         for key in sorted(stages_of):  # the same order on every rank: new_group is collective
             stages = stages_of[key]
             if len(stages) < 2:
                 continue
-            for d in range(lay.dp_size):
-                ranks = [s * lay.dp_size + d for s in stages]
+            for pipe in range(lay.pipes):
+                ranks = lay.pipeline_ranks(stages, pipe)
                 group = dist.new_group(ranks)
-                if d == lay.dp_rank and lay.stage in stages:
+                if pipe == lay.pipe_index and lay.stage in stages:
                     self.tie_groups[key] = (group, ranks)
         for key, (group, ranks) in self.tie_groups.items():
             for p in self.tied_modules[key].parameters():

@@ -37,13 +37,17 @@ def stage_topology(model: nn.Module, topology: Topology, config: Config) -> Topo
     layout = layout_of(model)
     if layout is None:
         return topology
-    stage = config.zero_optimization.stage
-    if stage > 2:
-        raise NotSupportedError(f"zero_optimization.stage: {stage} with a {layout.num_stages}-stage "
-                                "PipelineModule is not supported yet; allowed: 0, 1 or 2")
+    check_stages(layout.num_stages, config)
     return dataclasses.replace(topology, rank=layout.dp_rank, world_size=layout.dp_size,
                                group=layout.dp_group if layout.dp_size > 1 else None,
                                model_group=layout.pp_group)
+
+
+def check_stages(num_stages: int, config: Config) -> None:
+    stage = config.zero_optimization.stage
+    if num_stages > 1 and stage > 2:
+        raise NotSupportedError(f"zero_optimization.stage: {stage} with a {num_stages}-stage "
+                                "PipelineModule is not supported yet; allowed: 0, 1 or 2")
 
 
 class _Stage(nn.Module):
@@ -106,7 +110,7 @@ class PipeRunner:
             run(**kwargs)
         if train:
             engine.module.reduce_tied_grads()
-            engine.zero.norm_excluded = engine.module.duplicate_tied_params()
+            engine.zero.norm_excluded = engine._norm_once | engine.module.duplicate_tied_params()
         if not layout.last:
             return torch.zeros((), device=engine.topology.device)
         return torch.stack([x.detach().float() for x in losses]).mean() / self.scale
@@ -115,7 +119,5 @@ class PipeRunner:
         """The last stage's loss on every stage of this pipeline, as DeepSpeed returns it."""
         import torch.distributed as dist
 
-        layout = self.layout
-        src = (layout.num_stages - 1) * layout.dp_size + layout.dp_rank
-        dist.broadcast(loss, src=src, group=layout.pp_group)
+        dist.broadcast(loss, group_src=self.layout.num_stages - 1, group=self.layout.pp_group)
         return loss
