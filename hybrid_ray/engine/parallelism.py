@@ -19,7 +19,7 @@ from ..config import Config, ConfigError
 from .mesh import ParallelMesh, build_mesh
 from .pipe.layout import layout_on_mesh
 from .pipe.module import PipelineModule, layout_of
-from .pipe.stages import check_stages, stage_topology
+from .pipe.stages import stage_topology
 from .topology import Topology
 from .tp import TensorParallelModel, apply_plan
 from .tp.gather import unshard
@@ -35,7 +35,6 @@ def parallel_topology(model: nn.Module, topology: Topology, config: Config,
     own = layout_of(model)
     if tp == 1 and (own is not None or pp == 1):  # one process per replica, or stages as built
         return stage_topology(model, topology, config), None
-    check_stages(pp, config)
     model.to(topology.device)
     pm = build_mesh(pp, tp, topology.device)
     if pp > 1:

@@ -99,7 +99,8 @@ def reference() -> tuple:
 
 @pytest.mark.parametrize("world,tp,pp,zero,schedule", [
     (2, 2, 1, 0, "1f1b"), (2, 2, 1, 3, "1f1b"), (4, 2, 1, 1, "1f1b"), (4, 2, 1, 2, "1f1b"),
-    (4, 2, 1, 3, "1f1b"), (4, 2, 2, 1, "gpipe"), (4, 1, 2, 2, "1f1b"), (8, 2, 2, 2, "1f1b")])
+    (4, 2, 1, 3, "1f1b"), (4, 2, 2, 1, "gpipe"), (4, 1, 2, 2, "1f1b"), (4, 1, 2, 3, "gpipe"),
+    (8, 2, 2, 2, "1f1b"), (8, 2, 2, 3, "1f1b")])
 def test_split_model_trains_as_one_process(tmp_path: Path, world, tp, pp, zero, schedule) -> None:
     spawn.run(split, world, str(tmp_path), tp, pp, zero, schedule, timeout_s=120)
     assert_like_one_process(tmp_path, world, *reference())

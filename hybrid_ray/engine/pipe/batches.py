@@ -167,12 +167,17 @@ class PipelineBatches:
             self.reducer.start_window()
         self._window_open = True
         self.reducer.hold()  # the hooks wait: the micro-batches' gradients accumulate
-        loss = runner.step(micro)
-        self.reducer.before_backward(True)  # then every bucket is reduced once over the replicas
-        self.reducer.after_backward()
+        with self._stage_gathered():
+            loss = runner.step(micro)
+            self.reducer.before_backward(True)  # then every bucket is reduced once over the replicas
+            self.reducer.after_backward()
         for _ in micro:
             self.step()
         return self._pipeline_loss(module, loss)
+
+    def _stage_gathered(self) -> Any:
+        """ZeRO 3: the stage's parameters whole for the schedule (gathered once per step)."""
+        return self.stage3.held() if self.stage3 is not None else contextlib.nullcontext()
 
     def _pipeline_loss(self, module: PipelineModule, loss: torch.Tensor) -> torch.Tensor:
         """The last stage's mean over the data-parallel replicas, on every stage."""
@@ -205,7 +210,7 @@ class PipelineBatches:
                                     f"num_micro_batches other than gradient_accumulation_steps ({gas}) "
                                     "are not supported yet")
         micro = self._stage_micro_batches(data_iter, gas, "eval_batch")
-        with self._evaluating(module):
+        with self._evaluating(module), self._stage_gathered():
             loss = self._runner().step(micro, train=False)
         return self._pipeline_loss(module, loss)
 

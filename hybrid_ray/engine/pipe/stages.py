@@ -14,8 +14,11 @@ A weight tied across stages (TiedLayerSpec) lives on each stage that uses it: it
 are summed over those stages before the data-parallel reduction, and only the first counts it
 in the norm.
 
-Not yet: ZeRO stage 3 (its parameters would have to be gathered once per step, not per
-micro-batch), checkpoints of a pipelined model.
+At ZeRO 3 the stage's parameters are gathered once before the schedule and released after
+the reduction (Stage3Controller.held): the sharding saves the optimizer state and the master
+weights between steps, and the schedule's micro-batches cost no gathers of their own.
+
+Not yet: checkpoints of a pipelined model.
 """
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ from typing import Any, Callable, List, Optional
 import torch
 import torch.nn as nn
 
-from ...config import Config, ConfigError, NotSupportedError
+from ...config import Config, ConfigError
 from ..precision import autocast_region
 from ..topology import Topology
 from .module import PipelineModule, layout_of
@@ -37,17 +40,9 @@ def stage_topology(model: nn.Module, topology: Topology, config: Config) -> Topo
     layout = layout_of(model)
     if layout is None:
         return topology
-    check_stages(layout.num_stages, config)
     return dataclasses.replace(topology, rank=layout.dp_rank, world_size=layout.dp_size,
                                group=layout.dp_group if layout.dp_size > 1 else None,
                                model_group=layout.pp_group)
-
-
-def check_stages(num_stages: int, config: Config) -> None:
-    stage = config.zero_optimization.stage
-    if num_stages > 1 and stage > 2:
-        raise NotSupportedError(f"zero_optimization.stage: {stage} with a {num_stages}-stage "
-                                "PipelineModule is not supported yet; allowed: 0, 1 or 2")
 
 
 class _Stage(nn.Module):

@@ -21,8 +21,9 @@ With one rank there is nothing to gather: the engine then runs stage 3 as stage 
 """
 from __future__ import annotations
 
+import contextlib
 import weakref
-from typing import Dict, Iterable, List, Optional, Set
+from typing import Dict, Iterable, Iterator, List, Optional, Set
 
 import torch
 import torch.distributed as dist
@@ -95,6 +96,7 @@ class Unit:
         self.gathered = True  # the spaces start whole; `shard_out` then releases them
         self.pending_grads = 0
         self.params = [p for s in spaces for p in s.params]
+        self.pinned = False  # held gathered by Stage3Controller.held(): release() waits for unpin
 
     def shard_out(self) -> None:
         """Keep only this rank's slice of every space (the optimizer writes into it).
@@ -136,7 +138,7 @@ class Unit:
         self.works.clear()
 
     def release(self) -> None:
-        if not self.gathered:
+        if not self.gathered or self.pinned:
             return
         self.drain()  # never free memory a collective still writes into
         for s in self.spaces:
@@ -251,6 +253,24 @@ class Stage3Controller:
         """Units whose parameters got no gradient, and the root, are released here."""
         for unit in self.units + ([self.root] if self.root else []):
             unit.release()
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """Every unit gathered for the whole block and released after it: a pipeline stage's
+        schedule runs forward and backward of every micro-batch in an order of its own, and its
+        parameters are gathered once per step instead of twice per micro-batch."""
+        every = self.units + ([self.root] if self.root else [])
+        for unit in every:
+            unit.gather()  # all launched, then all awaited
+        for unit in every:
+            unit.drain()
+            unit.pinned = True
+        try:
+            yield
+        finally:
+            for unit in every:
+                unit.pinned = False
+                unit.release()
 
     def drain(self) -> None:
         """Wait for every all-gather in flight (a prefetched unit that never ran holds one)."""
