@@ -102,7 +102,7 @@ def _check_supported(cfg: Config) -> None:
                 "allowed: false (ZeRO++ quantized communication is not supported)")
     _refuse(ac.partition_activations, "activation_checkpointing.partition_activations",
             ac.partition_activations, "allowed: false (checkpointed activations are not split "
-            "across tensor-parallel ranks; a tp_plan's 'sequence' entries split the activations)")
+            "across ranks under tensor parallelism; a tp_plan's 'sequence' entries split the activations instead)")
     _refuse(cfg.fp16.fp16_master_weights_and_grads, "fp16.fp16_master_weights_and_grads", True,
             "allowed: false (master weights and gradients are fp32)")
     _refuse(cfg.sparse_gradients, "sparse_gradients", True,

@@ -31,6 +31,7 @@ def parallel_topology(model: nn.Module, topology: Topology, config: Config,
     """Place `model` on the world and return the engine's (data-parallel) topology and, when
     the model was placed here (tensor parallelism, stages cut by the config), what that did.
     Collective when anything is split."""
+    config.data_parallel_size(topology.world_size)  # the config's sizes fit the world, or a ConfigError
     tp, pp = config.tensor_model_parallel_size, _stages(model, config)
     own = layout_of(model)
     if tp == 1 and (own is not None or pp == 1):  # one process per replica, or stages as built

@@ -285,8 +285,9 @@ def _unsupported(name: str, base: dict) -> Iterator[Mutation]:
          "zero_optimization.offload_optimizer.device"),
         (merged(base, ("activation_checkpointing",), {"partition_activations": True}),
          "activation_checkpointing.partition_activations"),
-        ({**base, "tensor_model_parallel_size": 2}, "tensor_model_parallel_size"),
-        ({**base, "pipeline_model_parallel_size": 4}, "pipeline_model_parallel_size"),
     ]
     for cfg, key in cases:
         yield Mutation(f"{name}: {key} unsupported", cfg, "unsupported", f"{key}: not supported yet")
+    # Model parallel sizes load; a world of one process cannot hold a replica split in two.
+    for key, size in (("tensor_model_parallel_size", 2), ("pipeline_model_parallel_size", 4)):
+        yield Mutation(f"{name}: {key} {size}", {**base, key: size}, "world", "")

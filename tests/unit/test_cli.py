@@ -19,8 +19,8 @@ def write(tmp_path: Path, raw: object, name: str = "cfg.json") -> str:
     return str(path)
 
 
-def check(path: str, capsys: pytest.CaptureFixture) -> tuple:
-    code = main(["config", "check", path])
+def check(path: str, capsys: pytest.CaptureFixture, *flags: str) -> tuple:
+    code = main(["config", "check", path, *flags])
     out, err = capsys.readouterr()
     return code, out, err
 
@@ -45,9 +45,19 @@ def test_unknown_key_is_one_line_and_exit_2(tmp_path, capsys):
 
 
 def test_not_supported_feature_is_refused(tmp_path, capsys):
-    code, _, err = check(write(tmp_path, {"tensor_model_parallel_size": 4}), capsys)
+    code, _, err = check(write(tmp_path, {"zero_optimization": {"offload_param": {"device": "cpu"}}}), capsys)
     assert code == 2
-    assert err.startswith("error: tensor_model_parallel_size: not supported yet; got 4")
+    assert err.startswith("error: zero_optimization.offload_param.device: not supported yet; got 'cpu'")
+
+
+def test_model_parallel_sizes_split_the_world(tmp_path, capsys):
+    path = write(tmp_path, {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 8,
+                            "tensor_model_parallel_size": 4, "pipeline_model_parallel_size": 2})
+    code, out, _ = check(path, capsys, "--world-size", "16")
+    assert code == 0 and out.endswith("world size 16: batch 16 = micro-batch 8 x 1 accumulation steps "
+                                      "x 2 data-parallel ranks (tensor 4 x pipeline 2 ranks per replica)\n")
+    code, _, err = check(path, capsys, "--world-size", "12")
+    assert code == 2 and err.startswith("error: tensor_model_parallel_size: does not fit the world size")
 
 
 def test_bad_key_inside_job_file_names_its_section(tmp_path, capsys):
@@ -71,11 +81,11 @@ def test_missing_file_and_bad_json(tmp_path, capsys):
 
 def test_console_script_entry_point(tmp_path):
     """The same through a real process: what a user's shell sees (exit status, stderr)."""
-    path = write(tmp_path, {"tensor_model_parallel_size": 4})
+    path = write(tmp_path, {"zero_optimization": {"offload_param": {"device": "cpu"}}})
     proc = subprocess.run([sys.executable, "-m", "hybrid_ray.cli", "config", "check", path],
                           capture_output=True, text=True, cwd=REPO)
     assert proc.returncode == 2
-    assert proc.stderr.startswith("error: tensor_model_parallel_size: not supported yet")
+    assert proc.stderr.startswith("error: zero_optimization.offload_param.device: not supported yet")
 
 
 def test_train_rejects_a_bad_job_file_before_starting_processes(tmp_path, capsys):

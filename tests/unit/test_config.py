@@ -53,10 +53,13 @@ def test_seed_deepspeed_config_loads_from_dict_and_file(tmp_path):
         assert cfg.zero_optimization.stage == 0 and cfg.scheduler is None
 
 
-def test_seed_zero_block_parses_then_is_not_supported():
-    # ZeRO-3 is built; the block's tensor/pipeline parallel sizes are not yet.
-    assert error_of(SEED_ZERO, NotSupportedError).startswith(
-        "tensor_model_parallel_size: not supported yet; got 4")
+def test_seed_zero_block_loads_and_splits_the_world():
+    cfg = load_config({**SEED_ZERO, **MICRO})
+    assert (cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size) == (4, 2)
+    assert cfg.data_parallel_size(8) == 1 and cfg.data_parallel_size(16) == 2
+    with pytest.raises(ConfigError, match=r"^tensor_model_parallel_size: does not fit the world size; "
+                       r"got 4 \* pipeline_model_parallel_size 2 with world size 12"):
+        cfg.data_parallel_size(12)
 
 
 def test_seed_zero_block_values_parse():
@@ -289,13 +292,11 @@ def test_activation_checkpointing_pattern_must_compile():
      "zero_optimization.offload_param.device: not supported yet; got 'nvme'"),
     ({"activation_checkpointing": {"partition_activations": True}},
      "activation_checkpointing.partition_activations: not supported yet; got True"),
-    ({"tensor_model_parallel_size": 4}, "tensor_model_parallel_size: not supported yet; got 4"),
-    ({"pipeline_model_parallel_size": 2}, "pipeline_model_parallel_size: not supported yet; got 2"),
 ])
 def test_not_supported(raw, prefix):
     message = error_of(raw, NotSupportedError)
     assert message.startswith(prefix), message
-    assert "planned" in message
+    assert "allowed: " in message
 
 
 def test_parse_errors_win_over_not_supported():
@@ -419,10 +420,10 @@ def test_top_level_must_be_an_object(tmp_path):
 
 def test_errors_survive_pickling_with_their_path():
     with pytest.raises(ConfigError) as info:
-        load_config({"tensor_model_parallel_size": 4})
+        load_config({"zero_optimization": {"offload_param": {"device": "cpu"}}})
     copy = pickle.loads(pickle.dumps(info.value))
     assert type(copy) is NotSupportedError
-    assert str(copy) == str(info.value) and copy.path == "tensor_model_parallel_size"
+    assert str(copy) == str(info.value) and copy.path == "zero_optimization.offload_param.device"
 
 
 def test_long_values_are_shortened_in_messages():

@@ -133,11 +133,12 @@ def judge(m: Mutation, got: Outcome, prefix: str, report: Report, where: str) ->
 
 def at_world_one(m: Mutation, source: Any, loaded: Outcome, report: Report) -> Outcome:
     """What initialize at world size 1 must answer: load_config's answer, or for batch sizes
-    only other world sizes can run, resolve_batch(1)'s refusal (naming dp_size 1)."""
+    only other world sizes can run, resolve_batch(1)'s refusal (naming dp_size 1), or for a
+    replica split over several processes, data_parallel_size(1)'s (naming world size 1)."""
     if m.expect != "world" or loaded[0] != "ok":
         return loaded
-    expected = outcome(lambda: load_config(source).resolve_batch(1))
-    if expected[0] != "ConfigError" or "with dp_size 1" not in expected[1]:
+    expected = outcome(lambda: (cfg := load_config(source)).resolve_batch(cfg.data_parallel_size(1)))
+    if expected[0] != "ConfigError" or not ("with dp_size 1" in expected[1] or "with world size 1" in expected[1]):
         report.add("wrong_errors", m, f"resolve_batch(1): {expected}")
     return expected
 
