@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 import hybrid_ray as deepspeed
-from hybrid_ray.config import ConfigError
+from hybrid_ray.config import ConfigError, NotSupportedError
 from hybrid_ray.models.gpt import GPT, GPTConfig
 from hybrid_ray.pipe import LayerSpec, PipelineModule
 from tests.distributed import spawn
@@ -190,3 +190,52 @@ def test_the_project_gpt_with_its_own_plan_trains_as_one_process(tmp_path: Path,
             got = json.loads((tmp_path / f"rank{r}.json").read_text())["state"]
             for k, v in want.items():
                 torch.testing.assert_close(torch.tensor(got[k]), v, rtol=rtol, atol=atol)
+
+
+# ---- what is refused, with the key named --------------------------------------------------------
+
+def refusals(rank: int, world: int) -> None:
+    cfg = config(2, 1, 1, 1)
+    with pytest.raises(ConfigError, match=r"^tensor_model_parallel_size: 2 needs a tensor-parallel plan"):
+        deepspeed.initialize(model=nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2)), config=cfg)
+    with pytest.raises(ConfigError, match=r"^tp_plan\['\*\.fc9'\]: matches no module of PipelineModule"):
+        deepspeed.initialize(model=pipeline(), config=cfg, tp_plan={**PLAN, "*.fc9": "colwise"})
+    with pytest.raises(ConfigError, match=r"^tp_plan\['\*\.fc1'\]: unknown style; got 'columnwise'"):
+        deepspeed.initialize(model=pipeline(), config=cfg, tp_plan={"*.fc1": "columnwise"})
+    untied = GPT(gpt_config()).tp_plan()
+    untied["head"] = "rowwise"  # splits the shared weight's other dimension
+    with pytest.raises(ConfigError, match=r"^tp_plan: tied weights are split differently"):
+        deepspeed.initialize(model=GPT(gpt_config()), config=cfg, tp_plan=untied)
+    with pytest.raises(ConfigError, match=r"^pipeline_model_parallel_size: 2 needs the model as a "
+                       r"hybrid_ray.pipe.PipelineModule"):
+        deepspeed.initialize(model=GPT(gpt_config()), config=config(1, 2, 1, 1))
+    engine = deepspeed.initialize(model=pipeline(), config=cfg, tp_plan=PLAN)[0]
+    with pytest.raises(NotSupportedError, match="checkpoints of a model split by tensor parallelism"):
+        engine.save_checkpoint("/nonexistent")
+    engine.destroy()
+
+
+def test_what_does_not_fit_is_refused_with_the_key_named() -> None:
+    spawn.run(refusals, 2, timeout_s=90)
+
+
+# ---- the seed's multi-node config ---------------------------------------------------------------
+
+SEED_62 = {  # the seed document's section 6.2 block, unchanged
+    "zero_optimization": {"stage": 3, "allgather_partitions": True, "allgather_bucket_size": 5e8,
+                          "overlap_comm": True, "reduce_scatter": True},
+    "tensor_model_parallel_size": 4,
+    "pipeline_model_parallel_size": 2,
+}
+
+
+def seed_config(rank: int, world: int, out: str) -> None:
+    cfg = {**config(1, 1, 1, 0), **SEED_62}
+    engine = deepspeed.initialize(model=pipeline(), config=cfg, tp_plan=PLAN)[0]
+    assert (engine.tp_world_size, engine.module.num_stages, engine.dp_world_size) == (4, 2, 1)
+    dump(engine, run(engine), out, rank)
+
+
+def test_the_seed_multi_node_config_trains_at_eight_processes(tmp_path: Path) -> None:
+    spawn.run(seed_config, 8, str(tmp_path), timeout_s=120)
+    assert_like_one_process(tmp_path, 8, *reference())
