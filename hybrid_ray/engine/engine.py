@@ -38,7 +38,7 @@ from .precision import HALF, PrecisionPolicy, autocast_region, cast_floating, dt
 from .flops.profiler import StepProfiler
 from .lifecycle import EngineLifecycle, track
 from .pipe import PipelineBatches
-from .parallelism import parallel_topology, whole_state
+from .parallelism import checkpoint_split, checkpoint_topology, parallel_topology, whole_state
 from .zero.reducer import GradReducer, ReduceOptions
 from .schedulers import build_scheduler
 from .topology import Topology
@@ -75,8 +75,8 @@ class Engine(EngineLifecycle, DeepSpeedAccessors, PipelineBatches):
         # Set by initialize(training_data=...) or by the caller: a loader (or its sampler) with
         # state_dict()/load_state_dict() has its data position saved in checkpoints.
         self.training_dataloader: Any = None
-        self.checkpointer = Checkpointer(self.topology, self.train_state, self.finish_delayed_update,
-                                         self._log)
+        self.checkpointer = Checkpointer(checkpoint_topology(self.topology, model), self.train_state,
+                                         self.finish_delayed_update, self._log)
         self._groups = build.param_groups(model, model_parameters, optimizer,
                                           placed.renamed if placed else None)
         self._build_precision(self._scheduled_dtype(0))
@@ -330,7 +330,6 @@ class Engine(EngineLifecycle, DeepSpeedAccessors, PipelineBatches):
         ZeRO stage; see checkpoint/. Collective: every rank calls it. async_save (default:
         config `checkpoint.async_save`) returns once the state is copied to host memory; the
         files are written and committed in the background (see wait_checkpoint)."""
-        self._refuse_stages("save_checkpoint")
         return self.checkpointer.save(save_dir, tag, client_state, async_save)
 
     def wait_checkpoint(self) -> Optional[str]:
@@ -342,7 +341,6 @@ class Engine(EngineLifecycle, DeepSpeedAccessors, PipelineBatches):
                         load_lr_scheduler_states: bool = True, load_module_only: bool = False):
         """(path, client_state) of the checkpoint loaded (tag None: `latest`, falling back to the
         newest good one), or (None, None). Collective: every rank calls it."""
-        self._refuse_stages("load_checkpoint")
         out = self.checkpointer.load(load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
                                      load_module_only)
         if out[0] is not None:
@@ -358,7 +356,8 @@ class Engine(EngineLifecycle, DeepSpeedAccessors, PipelineBatches):
                           topology=self.topology, config=self.config, precision=self.base_dtype,
                           loss_scaler=self.loss_scaler, lr_scheduler=self.lr_scheduler,
                           counters=self.counters, data_loader=self.training_dataloader,
-                          write_back=self.zero.write_back, log=self._log)
+                          write_back=self.zero.write_back, log=self._log,
+                          split=checkpoint_split(self.topology, self.module, self._placed))
 
     def compression_stats(self) -> dict:
         """Gradient bytes this rank sent in the last optimizer step against the uncompressed

@@ -21,6 +21,7 @@ from .pipe.layout import layout_on_mesh
 from .pipe.module import PipelineModule, layout_of
 from .pipe.stages import stage_topology
 from .topology import Topology
+from .checkpoint.split import SplitLayout
 from .tp import TensorParallelModel, apply_plan
 from .tp.gather import unshard
 
@@ -105,3 +106,31 @@ def whole_state(state: Dict[str, torch.Tensor], placed: Optional[TensorParallelM
         dist.all_gather_object(stages, state, group=layout.pp_group)
         state = {k: v for part in stages for k, v in part.items()}
     return state if not rank0_only or dist.get_rank() == 0 else {}
+
+
+def checkpoint_topology(topology: Topology, model: nn.Module) -> Topology:
+    """The ranks that take part in a checkpoint: the engine's data-parallel ranks, or with the
+    model split over processes, the whole world (every rank writes its part and its marker)."""
+    if topology.mesh is None and layout_of(model) is None:
+        return topology
+    return dataclasses.replace(topology, rank=dist.get_rank(), world_size=dist.get_world_size(),
+                               group=dist.group.WORLD, model_group=None)
+
+
+def checkpoint_split(topology: Topology, model: nn.Module,
+                     placed: Optional[TensorParallelModel]) -> Optional[SplitLayout]:
+    """How a checkpoint joins this rank's part with the others' (None: nothing is split)."""
+    pm, lay = topology.mesh, layout_of(model)
+    if pm is None and lay is None:
+        return None
+    tp, tp_rank = (pm.tp, pm.tp_rank) if pm is not None else (1, 0)
+    stages = lay.num_stages if lay is not None else 1
+    size = dist.get_world_size() // stages
+    rank = dist.get_rank()
+    return SplitLayout(rank=rank, world=dist.get_world_size(), stage_first=rank // size * size,
+                       stage_size=size, tp=tp, tp_rank=tp_rank,
+                       tp_group=pm.tp_group if pm is not None else None, pp=stages,
+                       pp_group=lay.pp_group if lay is not None else None,
+                       placements=placed.placements if placed else {},
+                       parts=placed.parts if placed else {}, device=topology.device,
+                       layout={"tp": tp, "pp": stages, "dp": topology.world_size})

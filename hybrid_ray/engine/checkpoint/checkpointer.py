@@ -198,8 +198,11 @@ class Checkpointer:
         tensors, index = cstate.snapshot_params(ts, buffers)
         job.tensor_files.update(cwrite.split_parts(f"{cread.PARAMS}{rank:05d}", tensors))
         job.byte_files[f"rng-rank{rank:05d}.json"] = cio.json_bytes(cstate.rng_state(), compact=True)
+        split = ts.split is not None  # every stage's extras reach rank 0 (collective)
+        extras, layout = cstate.snapshot_split_extras(ts, buffers) if split else ({}, {})
         if rank == 0:
-            extras, layout = cstate.snapshot_module_extras(ts, buffers)
+            if not split:
+                extras, layout = cstate.snapshot_module_extras(ts, buffers)
             if extras:
                 job.tensor_files.update(cwrite.split_parts(cread.EXTRAS, extras))
             in_meta, pt_file = client_state

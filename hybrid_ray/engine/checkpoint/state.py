@@ -29,6 +29,8 @@ from ..zero import relayout
 from ..zero.flat import FlatSpace
 from . import read as cread
 from . import storage as cio
+from .buffers import HostBuffers  # noqa: F401 - re-exported: callers import it from here
+from .split import SplitLayout, merge_index, merge_layouts
 from .storage import CheckpointError
 
 Tensors = Dict[str, torch.Tensor]
@@ -66,57 +68,7 @@ class TrainState:
     data_loader: Any  # training_dataloader: its (or its sampler's) state_dict is the data position
     write_back: Callable[[], None]  # copy the masters into the model's parameters
     log: Callable[..., None]  # (message, level=INFO) on rank 0
-
-
-class HostBuffers:
-    """Host tensors a snapshot copies into, reused by the next snapshot of the same layout.
-
-    Pinned when the state lives on a GPU: device-to-host copies into pinned memory run at full
-    bus speed without a staging copy, and are issued non-blocking with one synchronisation at
-    the end. Pinning gigabytes costs seconds, hence the reuse (an asynchronous save keeps its
-    buffers; a synchronous one drops them). torch rounds every pinned allocation up to a power
-    of two, so a group of tensors reserved together shares one allocation (rounded once).
-    """
-
-    ALIGN = 64  # bytes; every view starts aligned for any dtype
-
-    def __init__(self, pin: bool):
-        self.pin = pin
-        self._buffers: Tensors = {}
-        self._groups: Dict[str, tuple] = {}  # group -> its layout, to reuse or replace it
-
-    def reserve(self, group: str, specs: List[Tuple[str, torch.Size, torch.dtype]]) -> None:
-        """Lay out (key, shape, dtype) tensors in one allocation, unless the group has this layout."""
-        layout = tuple((key, tuple(shape), dtype) for key, shape, dtype in specs)
-        old = self._groups.get(group)
-        if old == layout:
-            return
-        for key, _, _ in old or ():
-            self._buffers.pop(key, None)  # let the old allocation go
-        offsets, total = [], 0
-        for _, shape, dtype in layout:
-            total = -(-total // self.ALIGN) * self.ALIGN
-            offsets.append(total)
-            total += torch.Size(shape).numel() * dtype.itemsize
-        arena = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=self.pin)
-        for (key, shape, dtype), off in zip(layout, offsets):
-            nbytes = torch.Size(shape).numel() * dtype.itemsize
-            self._buffers[key] = arena[off:off + nbytes].view(dtype).view(shape)
-        self._groups[group] = layout
-
-    def copy(self, key: str, source: torch.Tensor) -> torch.Tensor:
-        """`source` copied into the buffer for `key` (allocated alone if not reserved)."""
-        buf = self._buffers.get(key)
-        if buf is None or buf.shape != source.shape or buf.dtype != source.dtype:
-            buf = torch.empty(source.shape, dtype=source.dtype, pin_memory=self.pin)
-            self._buffers[key] = buf
-        buf.copy_(source, non_blocking=self.pin and source.is_cuda)
-        return buf
-
-    def ready(self) -> None:
-        """Wait for the non-blocking copies issued so far."""
-        if self.pin:
-            torch.cuda.synchronize()
+    split: Optional[SplitLayout] = None  # the model is split over processes (split.py)
 
 
 # ---- parameter state -------------------------------------------------------------------------
@@ -144,11 +96,29 @@ def owners(sizes: Dict[str, int], world_size: int) -> Dict[str, int]:
     return out
 
 
+def _ownership(ts: TrainState, names: Dict[int, str]) -> Tuple[Dict[str, Optional[int]], int]:
+    """(name -> the rank that writes it, this rank) in the writers' numbering: the data-parallel
+    ranks; with the model split, the world's ranks, each name written by one rank of the stage
+    that holds it, and a weight tied across stages by the first of them only (None: not here)."""
+    split = ts.split
+    whole = (lambda n, shape: shape) if split is None else split.full_shape
+    sizes = {names[id(p)]: whole(names[id(p)], s.shapes[id(p)]).numel() for s in ts.spaces for p in s.params}
+    if split is None:
+        return dict(owners(sizes, ts.topology.world_size)), ts.topology.rank
+    stage = split.stage_first // split.stage_size
+    earlier = set().union(*map(set, split.from_stages(sorted(sizes))[:stage]))
+    owner: Dict[str, Optional[int]] = {n: None for n in earlier & set(sizes)}
+    mine = {n: sizes[n] for n in sizes if n not in earlier}
+    owner.update({n: split.stage_first + r for n, r in owners(mine, split.stage_size).items()})
+    return owner, split.rank
+
+
 def snapshot_params(ts: TrainState, buffers: HostBuffers) -> Tuple[Tensors, List[dict]]:
     """This rank's share of the per-parameter state on the host, and the index of all of it."""
-    topo, names = ts.topology, param_names(ts)
-    owner = owners({names[id(p)]: s.shapes[id(p)].numel() for s in ts.spaces for p in s.params},
-                   topo.world_size)
+    topo, names, split = ts.topology, param_names(ts), ts.split
+    owner, me = _ownership(ts, names)
+    whole = (lambda n, t: t) if split is None else split.unshard
+    shape_of = (lambda n, shape: shape) if split is None else split.full_shape
     out: Tensors = {}
     index: List[dict] = []
     per_space = []
@@ -156,22 +126,25 @@ def snapshot_params(ts: TrainState, buffers: HostBuffers) -> Tuple[Tensors, List
         tensors = {"master": master.detach()}
         tensors.update({k: ts.optimizer.state[master][k] for k in _per_element_keys(ts, master)})
         per_space.append((space, tensors))
-    buffers.reserve("params", [(f"{names[id(p)]}/{key}", space.shapes[id(p)], t.dtype)
-                               for space, tensors in per_space for key, t in tensors.items()
-                               for p in space.params if owner[names[id(p)]] == topo.rank])
+    buffers.reserve("params", [(f"{names[id(p)]}/{key}", shape_of(names[id(p)], space.shapes[id(p)]),
+                                t.dtype) for space, tensors in per_space for key, t in tensors.items()
+                               for p in space.params if owner[names[id(p)]] == me])
     for space, tensors in per_space:
         keys = list(tensors)
         for key in keys:  # the same order on every rank: full_flat is collective
             full = relayout.full_flat(space, tensors[key], topo)
             for p, off in space.param_offsets():
                 name, shape = names[id(p)], space.shapes[id(p)]
-                if owner[name] == topo.rank:
-                    view = full[off:off + shape.numel()].view(shape)
+                # collective over the tensor-parallel ranks for a split parameter
+                view = whole(name, full[off:off + shape.numel()].view(shape))
+                if owner[name] == me:
                     out[f"{name}/{key}"] = buffers.copy(f"{name}/{key}", view)
-                if key == "master":
-                    index.append({"name": name, "shape": list(shape), "rank": owner[name], "keys": keys})
+                if key == "master" and owner[name] is not None:
+                    index.append({"name": name, "shape": list(view.shape), "rank": owner[name], "keys": keys})
             del full
     buffers.ready()
+    if split is not None:
+        index = merge_index(split.from_stages(index))
     return out, index
 
 
@@ -196,6 +169,19 @@ def snapshot_module_extras(ts: TrainState, buffers: HostBuffers) -> Tuple[Tensor
         extras[name] = buffers.copy(f"extra:{name}", module.get_buffer(name).detach())
     buffers.ready()
     return extras, {"state_dict_keys": keys, "aliases": aliases, "buffers": buffer_names}
+
+
+def snapshot_split_extras(ts: TrainState, buffers: HostBuffers) -> Tuple[Tensors, dict]:
+    """snapshot_module_extras of every stage, merged on rank 0 (collective over the stages)."""
+    split = ts.split
+    trained = {id(p) for s in ts.spaces for p in s.params}
+    for name, p in ts.module.named_parameters():
+        if id(p) not in trained and name in split.placements and split.tp > 1:
+            raise CheckpointError(f"frozen parameter {name!r} is split by tensor parallelism: "
+                                  "not supported in checkpoints; leave it out of the tp_plan")
+    stages = split.from_stages(snapshot_module_extras(ts, buffers))
+    extras = {k: v for part, _ in stages for k, v in part.items()}
+    return extras, merge_layouts([layout for _, layout in stages])
 
 
 # ---- scalars, RNG, data position -------------------------------------------------------------
@@ -316,12 +302,21 @@ def rng_problem(state: dict) -> Optional[str]:
     return None
 
 
+def writers(ts: TrainState) -> int:
+    """The ranks that write a checkpoint's files (and own its RNG states)."""
+    return ts.topology.world_size if ts.split is None else ts.split.world
+
+
+def layout_of(ts: TrainState) -> Dict[str, int]:
+    return {"tp": 1, "pp": 1, "dp": ts.topology.world_size} if ts.split is None else ts.split.layout
+
+
 def meta(ts: TrainState, tag: str, client_state: dict, index: List[dict], layout: dict) -> dict:
     """Everything rank 0 saves as JSON: run description, counters, small states."""
     scalars = relayout.scalar_state(ts.optimizer, ts.masters)
     scheduler = ts.lr_scheduler
     return {
-        "format": cread.FORMAT, "tag": tag, "world_size": ts.topology.world_size,
+        "format": cread.FORMAT, "tag": tag, "world_size": writers(ts), "layout": layout_of(ts),
         "zero_stage": ts.config.zero_optimization.stage, "precision": ts.precision,
         "config": ts.config.to_dict(),
         "counters": dataclasses.asdict(ts.counters),
@@ -336,7 +331,9 @@ def meta(ts: TrainState, tag: str, client_state: dict, index: List[dict], layout
 
 # ---- load --------------------------------------------------------------------------------------
 def _param_state(ts: TrainState, saved: Tensors, optimizer_states: bool) -> relayout.ParamState:
-    names = param_names(ts)
+    names, split = param_names(ts), ts.split
+    shape_of = (lambda n, shape: shape) if split is None else split.full_shape
+    mine = (lambda n, t: t) if split is None else split.shard  # this rank's shard of a whole tensor
     keys_of: Dict[str, set] = {}
     for key in saved:
         name, _, what = key.rpartition("/")
@@ -348,21 +345,24 @@ def _param_state(ts: TrainState, saved: Tensors, optimizer_states: bool) -> rela
             keys = ["master"] + (sorted(keys_of.get(name, set()) - {"master"}) if optimizer_states else [])
             if f"{name}/master" not in saved:
                 raise CheckpointError(f"checkpoint has no parameter {name!r}")
-            got, want = tuple(saved[f"{name}/master"].shape), tuple(space.shapes[id(p)])
+            got, want = tuple(saved[f"{name}/master"].shape), tuple(shape_of(name, space.shapes[id(p)]))
             if got != want:
                 raise CheckpointError(f"parameter {name!r}: checkpoint shape {got}, model {want}")
-            state[id(p)] = {k: saved[f"{name}/{k}"] for k in keys}
+            state[id(p)] = {k: mine(name, saved[f"{name}/{k}"]) for k in keys}
     return state
 
 
 def _restore_module_extras(ts: TrainState, extras: Tensors) -> None:
-    """Frozen parameters and persistent buffers, where the model has them at the same shape."""
+    """Frozen parameters and persistent buffers, where the model has them at the same shape
+    (a stage of a split model holds only its own)."""
     module = ts.module
     targets = dict(module.named_parameters())
     targets.update(dict(module.named_buffers()))
     with torch.no_grad():
         for name, value in extras.items():
             target = targets.get(name)
+            if target is None and ts.split is not None:
+                continue
             if target is None or target.shape != value.shape:
                 raise CheckpointError(f"module tensor {name!r}: checkpoint shape {tuple(value.shape)}, "
                                       f"model {None if target is None else tuple(target.shape)}")
@@ -388,8 +388,9 @@ def apply(ts: TrainState, saved: Tensors, extras: Tensors, rng: Optional[bytes],
     for key, value in meta["counters"].items():
         setattr(ts.counters, key, value)
     restore_data_state(ts, meta.get("data"))
-    if meta["world_size"] == ts.topology.world_size and rng is not None:
+    same = meta["world_size"] == writers(ts) and meta.get("layout", layout_of(ts)) == layout_of(ts)
+    if same and rng is not None:
         set_rng_state(cio.json_from_bytes(rng))
-    elif meta["world_size"] != ts.topology.world_size:
-        ts.log(f"checkpoint saved by {meta['world_size']} rank(s), loaded by "
-               f"{ts.topology.world_size}: RNG states not restored")
+    elif not same:
+        ts.log(f"checkpoint saved by {meta['world_size']} rank(s) laid out as {meta.get('layout')}, "
+               f"loaded by {writers(ts)} as {layout_of(ts)}: RNG states not restored")

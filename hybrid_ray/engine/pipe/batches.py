@@ -89,16 +89,11 @@ class PipelineBatches:
         return layout is None or layout.last
 
     def _refuse_stages(self, what: str) -> None:
-        if what.endswith("checkpoint") and self.tp_world_size > 1:
-            raise NotSupportedError(f"engine.{what}(): checkpoints of a model split by tensor "
-                                    "parallelism are not supported yet")
         if self._pipe_layout() is None:
             return
-        if what in ("forward", "backward"):  # DeepSpeed's PipelineEngine refuses them too
-            raise NotSupportedError(f"engine.{what}(): a PipelineModule split into {self.module.num_stages} "
-                                    "stages trains through engine.train_batch() only")
-        raise NotSupportedError(f"engine.{what}(): checkpoints of a PipelineModule split into "
-                                f"{self.module.num_stages} stages are not supported yet")
+        # DeepSpeed's PipelineEngine refuses them too
+        raise NotSupportedError(f"engine.{what}(): a PipelineModule split into {self.module.num_stages} "
+                                "stages trains through engine.train_batch() only")
 
     def set_dataiterator(self, iterator: Iterator) -> None:
         """Where train_batch() without an argument draws its micro-batches from."""

@@ -76,6 +76,11 @@ def _localize(module: nn.Module) -> Dict[str, Tuple[Any, Any, Any, Any]]:
     specs = {}
     for name, p in list(module._parameters.items()):
         if isinstance(p, DTensor):
+            for pl in p.placements:  # even shards: every rank's the same shape (checkpoints join them)
+                if pl.is_shard() and p.shape[pl.dim] % p.device_mesh.size():
+                    raise ConfigError(f"tp_plan: {type(module).__name__}.{name} has {p.shape[pl.dim]} "
+                                      f"along the split dimension {pl.dim}, not a multiple of the "
+                                      f"tensor-parallel size {p.device_mesh.size()}")
             specs[name] = (p.device_mesh, tuple(p.placements), p.shape, p.stride())
             module._parameters[name] = nn.Parameter(p.to_local().detach(), requires_grad=p.requires_grad)
     if specs:
