@@ -59,8 +59,17 @@ def generate(engine: Engine, prompt: Sequence[int], n: int, temperature: float, 
     engine.eval()
     g = torch.Generator().manual_seed(0)
     idx = torch.tensor([list(prompt)], dtype=torch.long, device=engine.device)
+    # Under tensor parallelism the model splits the sequence over the ranks: the context is
+    # padded on the right to a multiple of their number, which a causal model never reads
+    # back into the positions before it.
+    split = max(1, getattr(engine, "tp_world_size", 1))
     for _ in range(n):
-        logits = engine(idx[:, -seq_len:])[0, -1, :vocab_size].float().cpu()
+        context = idx[:, -seq_len:]
+        last = context.shape[1] - 1
+        pad = -context.shape[1] % split
+        if pad:
+            context = torch.cat([context, context[:, -1:].expand(1, pad)], dim=1)
+        logits = engine(context)[0, last, :vocab_size].float().cpu()
         if temperature > 0:
             probs = torch.softmax(logits / temperature, dim=-1)
             nxt = torch.multinomial(probs, 1, generator=g)

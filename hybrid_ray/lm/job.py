@@ -234,7 +234,8 @@ def _required(raw: Mapping[str, Any], key: str) -> Any:
 
 
 def for_world(job: Job, world: int) -> Job:
-    """The job with its batch split for `world` data-parallel ranks.
+    """The job with its batch split for `world` processes (world / (tensor * pipeline)
+    data-parallel ranks).
 
     With `train_batch_size` set, the global batch is the constant of the run: the micro-batch
     and accumulation steps are recomputed for the world size (split_global_batch's rule), so a
@@ -243,6 +244,10 @@ def for_world(job: Job, world: int) -> Job:
     Raises ConfigError naming the keys when the world size cannot carry the batch.
     """
     cfg = job.engine
+    try:  # world processes hold world / (tensor * pipeline) data-parallel replicas
+        world = cfg.data_parallel_size(world)
+    except ConfigError as exc:
+        raise type(exc)(f"[engine] {exc}", f"engine.{exc.path}") from None
     if cfg.train_batch_size is not None:
         micro = cfg.train_micro_batch_size_per_gpu or cfg.train_batch_size
         try:

@@ -244,7 +244,10 @@ def _header(job: Job, run: Run, threads: int, log: RunLog) -> None:
     m, engine, meta = job.model, run.engine, run.meta
     cfg, topo = engine.config, engine.topology
     tr, va = meta["splits"]["train"], meta["splits"]["val"]
-    log.say(f"hybrid_ray LM run: {topo.world_size} process(es) on {topo.device.type} "
+    world = topo.world_size * engine.tp_world_size * (engine.module.num_stages if engine.is_pipe_parallel() else 1)
+    split = "" if world == topo.world_size else (f" (tensor {engine.tp_world_size} x pipeline "
+                                                 f"{world // topo.world_size // engine.tp_world_size} per replica)")
+    log.say(f"hybrid_ray LM run: {world} process(es){split} on {topo.device.type} "
             f"({topo.backend if topo.is_distributed else 'no process group'}), "
             f"{threads} thread(s) each, torch {torch.__version__}, Python {sys.version.split()[0]}")
     log.say(f"data:   {job.data.path} from {meta['source']}: {run.tokenizer.kind} tokenizer, "
@@ -252,8 +255,8 @@ def _header(job: Job, run: Run, threads: int, log: RunLog) -> None:
             f"tokens ({len(run.loader.dataset):,} windows); val {va['files']} files, "
             f"{va['tokens']:,} tokens ({len(run.val):,} windows)")
     log.say(f"model:  GPT {m.n_layer} layers, d_model {m.d_model}, {m.n_head} heads, context "
-            f"{m.seq_len} tokens: {engine.module.num_params() / 1e6:.2f} M parameters")
-    log.send(Params({"model.num_params": engine.module.num_params(),
+            f"{m.seq_len} tokens: {run.num_params / 1e6:.2f} M parameters")
+    log.send(Params({"model.num_params": run.num_params,
                      "engine.precision": cfg.base_dtype, "engine.zero_stage": cfg.zero_optimization.stage}))
     sched = cfg.scheduler.type if cfg.scheduler else "constant lr"
     log.say(f"engine: {cfg.base_dtype}, ZeRO stage {cfg.zero_optimization.stage}, "

@@ -132,6 +132,7 @@ class Run:
     val: TokenDataset
     tokenizer: Tokenizer
     meta: dict
+    num_params: int  # the whole model's (counted before tensor parallelism splits it)
 
 
 def build_model(job: Job, vocab_size: int, seed: int) -> GPT:
@@ -149,13 +150,14 @@ def build(job: Job, topo: Topology, meta: dict) -> Run:
     m, d = job.model, job.data
     tok = load_tokenizer(d.path, meta)
     model = build_model(job, tok.vocab_size, job.engine.seed or 0)
+    num_params = model.num_params()
     train = open_split(d.path, meta, "train", m.seq_len, d.cache_dir)
     # print_steps off: the job prints its own progress lines (loop.py) and records every
     # steps_per_print step; DeepSpeed's line on top would say the same twice.
     engine, _, loader, _ = hybrid_ray.initialize(model, config=job.engine, training_data=train,
                                                  topology=topo, print_steps=False)
     val = open_split(d.path, meta, "val", m.seq_len, d.cache_dir)
-    return Run(engine, loader, val, tok, meta)
+    return Run(engine, loader, val, tok, meta, num_params)
 
 
 def checkpoint_dir(job: Job) -> Optional[str]:

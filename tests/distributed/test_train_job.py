@@ -91,3 +91,28 @@ def test_bad_job_file_or_data_source_exits_2_before_any_process(tmp_path):
     proc = run_job(tmp_path, job, "--nproc", "2")
     assert proc.returncode == 2 and "launching" not in proc.stdout
     assert "absent: not a folder" in proc.stderr
+
+
+def _losses(stdout: str) -> list:
+    return [line.split("| loss ")[1].split(" ")[0] for line in stdout.splitlines() if line.startswith("step ")]
+
+
+def test_tensor_parallel_job_matches_the_plain_one_and_resumes_unsplit(tmp_path):
+    # fp32, so the printed losses (4 decimals) of T=2 x dp 2 and of dp 2 alone agree
+    job = tiny_job(tmp_path / "data", tmp_path / "tp", steps=20, save_interval=10, eval_interval=10)
+    job["engine"]["bf16"]["enabled"] = False
+    plain = run_job(tmp_path, job, "--nproc", "2")
+    assert plain.returncode == 0, plain.stdout[-3000:] + plain.stderr[-3000:]
+    job["engine"]["tensor_model_parallel_size"] = 2
+    job["train"]["out_dir"] = str(tmp_path / "tp2")
+    split = run_job(tmp_path, job, "--nproc", "4")
+    assert split.returncode == 0, split.stdout[-3000:] + split.stderr[-3000:]
+    assert "4 process(es) (tensor 2 x pipeline 1 per replica)" in split.stdout
+    assert "batch 16 = 8 micro x 1 accumulation x 2 ranks" in split.stdout and "sample (" in split.stdout
+    assert _losses(split.stdout) == _losses(plain.stdout) and len(_losses(plain.stdout)) == 2
+    # its checkpoint, saved split, resumes on one unsplit process
+    job["engine"]["tensor_model_parallel_size"] = 1
+    job["train"]["steps"] = 30
+    resumed = run_job(tmp_path, job, "--nproc", "1", "--resume")
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "global_step20 at step 20" in resumed.stdout and "step    30/30" in resumed.stdout
