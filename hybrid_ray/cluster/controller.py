@@ -25,7 +25,7 @@ from hybrid_ray.config.cluster import FailureConfig, ScalingConfig
 
 from .policy import Decision, FailurePolicy, ScalingPolicy, Watch, judge
 from .records import Metrics, Record
-from .status import Member, PollStatus
+from .status import Member, PollStatus, replica_mates
 
 log = logging.getLogger("hybrid_ray.cluster")
 
@@ -242,7 +242,8 @@ class Controller:
         if decision.size is None:
             return Errored(f"{state.reason} ({lost} lost); {decision.reason}; checkpoints in "
                            f"{self.storage_path} are intact")
-        self.group.remove(list(state.lost))
+        # a replica that lost a worker cannot train: its other workers leave with it
+        self.group.remove(list(state.lost) + replica_mates(self.group.members, list(state.lost)))
         survivors = len(self.group.members)
         self.sleep(0.5)  # let Ray return the lost workers' resources before counting room
         step = self._wait_for(lambda: self.scaling_policy.after_loss(survivors, self.group.can_add()))

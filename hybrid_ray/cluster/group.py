@@ -27,6 +27,7 @@ class WorkerGroup:
         self.members: List[Member] = []
         self._created = 0
         self._actor_cls = ray.remote(Worker)
+        self._placement_groups: Dict[int, Any] = {}  # replica -> its placement group (replica_size > 1)
 
     # ---- room in the cluster -----------------------------------------------------------
     def can_add(self) -> int:
@@ -37,41 +38,69 @@ class WorkerGroup:
 
     # ---- membership --------------------------------------------------------------------
     def add(self, count: int, timeout_s: float) -> List[Member]:
-        """Start `count` actors; keep those placed and answering within timeout_s."""
-        res = dict(self.resources)
-        opts = dict(num_cpus=res.pop("CPU", 0), num_gpus=res.pop("GPU", 0), resources=res or None,
-                    max_restarts=0, max_concurrency=4,
-                    scheduling_strategy="SPREAD" if self.scaling.placement_strategy == "SPREAD" else "DEFAULT")
-        fresh = []
-        for _ in range(count):
-            # Named so that `ray list actors` (and an operator's ray.get_actor) tells them apart.
-            actor = self._actor_cls.options(name=f"hybrid_ray:{self.name}:worker{self._created}",
-                                            **opts).remote()
-            fresh.append(Member(actor, self._created))
-            self._created += 1
+        """Start `count` actors, whole model replicas of `replica_size` (one placement group
+        each, packed on one node, so a replica's tensor-parallel traffic stays on the node);
+        keep those placed and answering within timeout_s, a replica only whole."""
+        size = self.scaling.replica_size
+        fresh: List[Member] = []
+        for _ in range(count // size):
+            fresh.extend(self._start_replica(size, timeout_s))
         refs = {m.handle.info.remote(): m for m in fresh}
-        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
-        placed = []
+        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s) if refs else ([], [])
+        answered = set()
         for ref, m in refs.items():
             if ref in ready:
                 try:
                     m.info = ray.get(ref)
-                    placed.append(m)
-                    continue
+                    answered.add(id(m))
                 except ray.exceptions.RayError:
                     pass
-            ray.kill(m.handle, no_restart=True)  # never placed (no room) or died on start
+        whole = {m.replica for m in fresh} - {m.replica for m in fresh if id(m) not in answered}
+        placed = [m for m in fresh if m.replica in whole]
         self.members.extend(placed)
+        self.remove([m for m in fresh if m.replica not in whole], listed=False)  # never placed, or died on start
         return placed
 
-    def remove(self, members: List[Member]) -> None:
+    def _start_replica(self, size: int, timeout_s: float) -> List[Member]:
+        res = dict(self.resources)
+        opts = dict(num_cpus=res.pop("CPU", 0), num_gpus=res.pop("GPU", 0), resources=res or None,
+                    max_restarts=0, max_concurrency=4)
+        replica = self._created
+        strategies: List[Any] = ["SPREAD" if self.scaling.placement_strategy == "SPREAD" else "DEFAULT"]
+        if size > 1:
+            from ray.util.placement_group import placement_group
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+            pg = placement_group([dict(self.resources)] * size, strategy="STRICT_PACK",
+                                 name=f"hybrid_ray:{self.name}:replica{replica}")
+            if not ray.wait([pg.ready()], timeout=timeout_s)[0]:  # no node has room for all of it
+                ray.util.remove_placement_group(pg)
+                return []
+            self._placement_groups[replica] = pg
+            strategies = [PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)
+                          for i in range(size)]
+        out = []
+        for i in range(size):
+            # Named so that `ray list actors` (and an operator's ray.get_actor) tells them apart.
+            actor = self._actor_cls.options(name=f"hybrid_ray:{self.name}:worker{self._created}",
+                                            scheduling_strategy=strategies[min(i, len(strategies) - 1)],
+                                            **opts).remote()
+            out.append(Member(actor, self._created, replica=replica))
+            self._created += 1
+        return out
+
+    def remove(self, members: List[Member], listed: bool = True) -> None:
         for m in members:
             try:
                 ray.kill(m.handle, no_restart=True)
             except Exception:  # noqa: BLE001 - already gone
                 pass
-        gone = {id(m) for m in members}
-        self.members = [m for m in self.members if id(m) not in gone]
+        if listed:
+            gone = {id(m) for m in members}
+            self.members = [m for m in self.members if id(m) not in gone]
+        held = {m.replica for m in self.members}
+        for replica in [r for r in self._placement_groups if r not in held]:
+            ray.util.remove_placement_group(self._placement_groups.pop(replica))
 
     def shutdown(self) -> None:
         self.remove(list(self.members))

@@ -26,9 +26,13 @@ class ScalingPolicy:
     def __init__(self, scaling: ScalingConfig):
         self.scaling = scaling
 
+    def _whole(self, n: int) -> int:
+        """n rounded down to whole model replicas."""
+        return n // self.scaling.replica_size * self.scaling.replica_size
+
     def initial(self, can_host: int) -> Decision:
         """The first group: as many workers as fit, up to max; fewer than min means wait."""
-        size = min(self.scaling.max_workers, can_host)
+        size = self._whole(min(self.scaling.max_workers, can_host))
         if size < self.scaling.min_workers:
             return Decision(None, f"waiting for room: {can_host} worker(s) fit, "
                                   f"min_workers is {self.scaling.min_workers}")
@@ -36,16 +40,16 @@ class ScalingPolicy:
 
     def after_loss(self, survivors: int, can_add: int) -> Decision:
         """Re-form with the survivors plus whatever replacements fit, up to max."""
-        size = min(self.scaling.max_workers, survivors + can_add)
+        size = self._whole(min(self.scaling.max_workers, survivors + can_add))
         if size < self.scaling.min_workers:
             return Decision(None, f"only {size} worker(s) available, min_workers is "
                                   f"{self.scaling.min_workers}")
-        return Decision(size, f"re-forming at {size} worker(s) ({survivors} kept, "
-                              f"{size - survivors} new)")
+        kept = min(survivors, size)
+        return Decision(size, f"re-forming at {size} worker(s) ({kept} kept, {size - kept} new)")
 
     def growth(self, size: int, can_add: int) -> Decision:
         """Grow toward max when the cluster has room (carried out at a checkpoint boundary)."""
-        target = min(self.scaling.max_workers, size + can_add)
+        target = self._whole(min(self.scaling.max_workers, size + can_add))
         if target <= size:
             return Decision(None, "no room to grow")
         return Decision(target, f"cluster has room: growing from {size} to {target} worker(s)")

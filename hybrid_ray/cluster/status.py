@@ -30,6 +30,11 @@ class Member:
     index: int  # creation order, stable across generations (names "worker 3" in events)
     info: Dict[str, Any] = field(default_factory=dict)
     acked: int = 0  # sequence number of the newest record received from it (Worker.poll)
+    replica: int = -1  # the model replica (placement group) it belongs to; -1: a replica of its own
+
+    def __post_init__(self) -> None:
+        if self.replica < 0:
+            self.replica = -1 - self.index  # never another member's
 
     def take_news(self, reply: Any) -> Any:
         """A poll reply (Worker.poll's dict) as WorkerNews with only the records not received
@@ -40,6 +45,12 @@ class Member:
         if fresh:
             self.acked = fresh[-1][0]
         return WorkerNews(reply["state"], reply["step"], reply["error"], tuple(rec for _, rec in fresh))
+
+
+def replica_mates(members: List[Member], lost: List[Member]) -> List[Member]:
+    """The members that share a model replica with a lost one: useless without it."""
+    hit, gone = {m.replica for m in lost}, {id(m) for m in lost}
+    return [m for m in members if m.replica in hit and id(m) not in gone]
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,10 @@ class ScalingConfig:
     """Ray resources per worker; default {"CPU": 1} (+ {"GPU": 1} with use_gpu)."""
     placement_strategy: Literal["PACK", "SPREAD"] = "PACK"
     """PACK fills nodes first; SPREAD places one worker per node where it can."""
+    replica_size: int = checked(1, ge=1)
+    """Workers that together hold one model replica (tensor x pipeline parallel sizes): the
+    group is always whole replicas, each placed on one node (a placement group), and a lost
+    worker takes its replica's other workers out with it."""
 
     def __post_init__(self) -> None:
         check_fields(self, "scaling")
@@ -39,6 +43,10 @@ class ScalingConfig:
         if self.max_workers < self.min_workers:
             raise config_error(f"{path}.max_workers", "out of range", self.max_workers,
                                f"allowed: >= min_workers ({self.min_workers})")
+        for key in ("min_workers", "max_workers"):
+            if getattr(self, key) % self.replica_size:
+                raise config_error(f"{path}.{key}", "not whole replicas", getattr(self, key),
+                                   f"allowed: a multiple of replica_size ({self.replica_size})")
         for key, value in (self.resources_per_worker or {}).items():
             if value < 0:
                 raise config_error(f"{path}.resources_per_worker.{key}", "out of range",

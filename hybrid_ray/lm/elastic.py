@@ -41,9 +41,15 @@ EXIT_OK, EXIT_FAILED, EXIT_CONFIG = 0, 1, 2
 def driver_job(raw: Mapping[str, Any], min_workers: int, max_workers: int) -> Job:
     """Validate the job for every world size the group may take (before anything starts)."""
     job = load_job(raw)
-    for world in range(min_workers, max_workers + 1):
+    step = replica_size(job)  # the group is whole replicas
+    for world in range(min_workers, max_workers + 1, step):
         for_world(job, world)
     return job
+
+
+def replica_size(job: Job) -> int:
+    """Workers per model replica: the engine's tensor x pipeline parallel sizes."""
+    return job.engine.tensor_model_parallel_size * job.engine.pipeline_model_parallel_size
 
 
 def validated(raw: Mapping[str, Any], min_workers: int, max_workers: int, run_name: Optional[str],
@@ -52,9 +58,11 @@ def validated(raw: Mapping[str, Any], min_workers: int, max_workers: int, run_na
     """Everything checked before the cluster is touched: the settings, the run's places
     (placement.py), the job at every world size, the dataset (built here when missing).
     ConfigError, or OSError/ValueError for data."""
-    scaling = ScalingConfig(min_workers=min_workers, max_workers=max_workers, use_gpu=bool(use_gpu))
-    failure = FailureConfig(max_failures=max_failures)
     raw = place(raw, storage, run_name)
+    job = load_job(raw)
+    scaling = ScalingConfig(min_workers=min_workers, max_workers=max_workers, use_gpu=bool(use_gpu),
+                            replica_size=replica_size(job))
+    failure = FailureConfig(max_failures=max_failures)
     job = driver_job(raw, min_workers, max_workers)
     ensure_prepared(job.data.corpus, job.data.path, job.data.prepare)
     return raw, job, scaling, failure

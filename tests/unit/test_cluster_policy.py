@@ -5,6 +5,7 @@ import pytest
 
 from hybrid_ray.config.cluster import ClusterConfigError, FailureConfig, ScalingConfig
 from hybrid_ray.cluster.policy import FailurePolicy, ScalingPolicy, stalled
+from hybrid_ray.cluster.status import Member, replica_mates
 
 
 def test_initial_size_takes_what_fits_up_to_max_and_waits_below_min() -> None:
@@ -63,3 +64,22 @@ def test_bad_failure_names_the_key() -> None:
 def test_worker_resources_default_cpu_and_gpu() -> None:
     assert ScalingConfig().worker_resources() == {"CPU": 1.0}
     assert ScalingConfig(use_gpu=True).worker_resources() == {"CPU": 1.0, "GPU": 1.0}
+
+
+def test_a_group_of_split_replicas_is_always_whole_replicas():
+    policy = ScalingPolicy(ScalingConfig(min_workers=2, max_workers=6, replica_size=2))
+    assert policy.initial(can_host=5).size == 4  # 2 replicas of 2; the fifth worker would be half one
+    assert policy.initial(can_host=1).size is None
+    assert policy.after_loss(survivors=2, can_add=1).size == 2  # one replica left, no room for another
+    assert policy.after_loss(survivors=2, can_add=2).size == 4
+    assert policy.growth(size=4, can_add=1).size is None and policy.growth(size=4, can_add=3).size == 6
+    with pytest.raises(ClusterConfigError, match=r"^scaling.max_workers: not whole replicas; got 5; "
+                       r"allowed: a multiple of replica_size \(2\)"):
+        ScalingConfig(min_workers=2, max_workers=5, replica_size=2)
+
+
+def test_a_lost_worker_takes_its_replica_mates_with_it():
+    members = [Member(None, i, replica=i // 2) for i in range(4)]
+    assert replica_mates(members, [members[1]]) == [members[0]]
+    alone = [Member(None, i) for i in range(3)]  # replica_size 1: every worker its own replica
+    assert replica_mates(alone, [alone[1]]) == []
