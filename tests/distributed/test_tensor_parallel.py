@@ -3,7 +3,8 @@ stages and ZeRO on the data-parallel axis trains as one process does on the whol
 (T, P, dp) = (2,1,1), (2,1,2), (2,2,1), (1,2,2) and (2,2,2), with ZeRO 0 to 3 on the data-parallel
 axis, gradient clipping active over the whole model (fp32, relative error ~1e-5); the project's
 GPT with its own plan (sequence-parallel norms, the tied embedding and head split over the
-vocabulary); engine.consolidated_state_dict() gives the unsplit model's names and values."""
+vocabulary), and as a PipelineModule with its own plan at (2,2,1) and (2,2,2), the tie across
+stages; engine.consolidated_state_dict() gives the unsplit model's names and values."""
 from __future__ import annotations
 
 import json
