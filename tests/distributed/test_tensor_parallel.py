@@ -3,7 +3,8 @@ stages and ZeRO on the data-parallel axis trains as one process does on the whol
 (T, P, dp) = (2,1,1), (2,1,2), (2,2,1), (1,2,2) and (2,2,2), with ZeRO 0 to 3 on the data-parallel
 axis, gradient clipping active over the whole model (fp32, relative error ~1e-5); the project's
 GPT with its own plan (sequence-parallel norms, the tied embedding and head split over the
-vocabulary); engine.consolidated_state_dict() gives the unsplit model's names and values."""
+vocabulary), and as a PipelineModule with its own plan at (2,2,1) and (2,2,2), the tie across
+stages; engine.consolidated_state_dict() gives the unsplit model's names and values."""
 from __future__ import annotations
 
 import json
@@ -190,6 +191,49 @@ def test_the_project_gpt_with_its_own_plan_trains_as_one_process(tmp_path: Path,
             got = json.loads((tmp_path / f"rank{r}.json").read_text())["state"]
             for k, v in want.items():
                 torch.testing.assert_close(torch.tensor(got[k]), v, rtol=rtol, atol=atol)
+
+
+# ---- the GPT as a PipelineModule, stages and tensor parallelism together ----------------------
+
+def gpt_pipeline_engine(tp: int, pp: int, dp: int, zero: int):
+    from hybrid_ray.lm.pipeline_model import gpt_pipeline
+
+    cfg = config(tp, pp, dp, zero)
+    # Adam's step moves with its gradient by up to lr / eps: at eps 1e-8 a gradient that cancels
+    # to ~1e-8 (wte[58, 5] here, at step 0, against a median 7e-3) turns the split's
+    # rounding-level gradient differences into weights 2e-4 apart. At 1e-5 they stay ~1e-6
+    # apart (with SGD, 1 ulp), so the tolerances below still catch a wrong gradient.
+    cfg["optimizer"]["params"]["eps"] = 1e-5
+    torch.manual_seed(0)  # built whole on every rank, then cut by the config's stages
+    return deepspeed.initialize(model=gpt_pipeline(gpt_config()), config=cfg)[0]
+
+
+def gpt_pipeline_run(engine) -> list:
+    dp, d = engine.dp_world_size, engine.dp_rank
+    return [engine.train_batch(iter(gpt_batches(s, dp, d))).item() for s in range(STEPS)]
+
+
+def gpt_pipeline_split(rank: int, world: int, out: str, zero: int) -> None:
+    engine = gpt_pipeline_engine(2, 2, world // 4, zero)  # its own plan: no tp_plan given
+    module = engine.module
+    # the embedding and the first block on stage 0, the head on stage 1: the tie spans both
+    assert module.parts == [0, 2, 5] and "embed" in module.tie_groups
+    embed = module.tied_modules["embed"]
+    assert embed.head.weight is embed.wte.weight and embed.head.weight.shape == (32, 32)
+    dump(engine, gpt_pipeline_run(engine), out, rank)
+
+
+@pytest.mark.parametrize("world,zero", [(4, 1), (8, 2)])
+def test_the_pipelined_gpt_with_its_own_plan_trains_as_one_process(tmp_path: Path, world, zero) -> None:
+    # (T, P, dp) = (2, 2, world / 4); train_batch's loss is the mean over the data-parallel
+    # ranks, so every rank's is the one-process loss.
+    spawn.run(gpt_pipeline_split, world, str(tmp_path), zero, timeout_s=120)
+    engine = gpt_pipeline_engine(1, 1, 1, 0)
+    losses = gpt_pipeline_run(engine)
+    want = {k: v.float() for k, v in engine.module.state_dict().items()}
+    assert "tied_modules.embed.head.weight" in want  # the tied weight under the head's name too
+    # split matmuls sum in another order, as for the GPT above
+    assert_like_one_process(tmp_path, world, want, losses, rtol=1e-4, atol=1e-5)
 
 
 # ---- what is refused, with the key named --------------------------------------------------------

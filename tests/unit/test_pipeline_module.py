@@ -172,10 +172,13 @@ def test_the_project_gpt_as_a_pipeline_module_is_the_same_model() -> None:
     torch.manual_seed(0)
     gpt, piped = GPT(cfg), gpt_pipeline(cfg)
     names = {"wte.weight": "tied_modules.embed.wte.weight", "wpe.weight": "tied_modules.embed.wpe.weight",
+             "head.weight": "tied_modules.embed.head.weight",  # wte's weight under its second name
              "ln_f.weight": f"{cfg.n_layer + 1}.weight", "ln_f.bias": f"{cfg.n_layer + 1}.bias"}
-    src = {k: v for k, v in gpt.state_dict().items() if k != "head.weight"}  # the head is wte
-    mapped = {names.get(k) or f"{int(k.split('.')[1]) + 1}." + k.split(".", 2)[2]: v for k, v in src.items()}
-    piped.load_state_dict(mapped, strict=True)
+    mapped = {names.get(k) or f"{int(k.split('.')[1]) + 1}." + k.split(".", 2)[2]: v
+              for k, v in gpt.state_dict().items()}
+    piped.load_state_dict(mapped, strict=True)  # every name of each, one to one
+    embed = piped.tied_modules["embed"]
+    assert embed.head.weight is embed.wte.weight  # tied as GPT's head is
     idx = torch.randint(0, cfg.vocab_size, (3, cfg.seq_len))
     tgt = torch.randint(0, cfg.vocab_size, (3, cfg.seq_len))
     torch.testing.assert_close(piped.loss_fn(piped(idx), tgt), gpt(idx, tgt), rtol=0, atol=0)
