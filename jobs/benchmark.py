@@ -5,6 +5,8 @@
     python jobs/benchmark.py --suite cpu      # 2 gloo processes on CPU, small model: DDP vs hybrid
     python jobs/benchmark.py --suite offload1 # 1 GPU, 1.3B: torch, hybrid and DeepSpeed ZeRO-2 + CPU offload
     python jobs/benchmark.py --suite offload2 # 2 GPUs, 1.3B: DeepSpeed and hybrid ZeRO-2 + CPU offload
+    python jobs/benchmark.py --suite pipe-gpu1 # 1 GPU: the GPT as a one-stage PipelineModule
+                                               # through train_batch against the plain engine
     (--profile DIR writes a torch.profiler kernel table and trace of 3 steps per implementation)
 
 A suite launches each implementation with torchrun, one after the other, parses the RESULT line
@@ -48,6 +50,9 @@ SUITES: Dict[str, List[dict]] = {
                    dict(impl="deepspeed", stage=3)],
     "zero3-gpu2-1.3b": [dict(impl="fsdp2", model="1.3b"), dict(impl="hybrid", stage=3, model="1.3b"),
                         dict(impl="hybrid", stage=3, model="1.3b", norm_activations="half")],
+    # The pipeline path at one stage (PipelineModule + train_batch) costs nothing over the engine.
+    "pipe-gpu1": [dict(impl="torch"), dict(impl="hybrid", stage=1), dict(impl="hybrid-pipe", stage=1),
+                  dict(impl="hybrid", stage=2), dict(impl="hybrid-pipe", stage=2)],
     # Optimizer offload (1 GPU): the model still fits without offload, so plain torch is the ceiling.
     "offload1": [dict(impl="torch", model="1.3b"), dict(impl="hybrid", stage=2, offload=True, model="1.3b"),
                  dict(impl="hybrid", stage=2, offload=True, delayed=True, model="1.3b"),
@@ -65,7 +70,7 @@ def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--suite", choices=list(SUITES))
     p.add_argument("--measure", action="store_true", help="one measurement (under torchrun)")
-    p.add_argument("--impl", choices=["torch", "ddp", "fsdp2", "hybrid", "deepspeed"], default="hybrid")
+    p.add_argument("--impl", choices=["torch", "ddp", "fsdp2", "hybrid", "hybrid-pipe", "deepspeed"], default="hybrid")
     p.add_argument("--model", default=None, help=f"one of {list(GPT_SIZES)} (default 350m on GPU)")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None)
     p.add_argument("--stage", type=int, default=1)
@@ -90,7 +95,7 @@ def parse() -> argparse.Namespace:
 def make_step(a: argparse.Namespace, model: nn.Module, device: torch.device) -> Callable:
     """A closure doing one optimizer step of the chosen implementation."""
     dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[a.dtype]
-    if a.impl == "hybrid":
+    if a.impl in ("hybrid", "hybrid-pipe"):
         return _hybrid_step(a, model)
     if a.impl == "deepspeed":
         return _deepspeed_step(a, model)
@@ -138,6 +143,10 @@ def _hybrid_step(a: argparse.Namespace, model: nn.Module) -> Callable:
     if a.norm_activations:
         cfg["precision"] = {"norm_activations": a.norm_activations}
     engine, _, _, _ = hybrid_ray.initialize(model, config=cfg)
+    if a.impl == "hybrid-pipe":
+        # train_batch over one micro-batch (gradient_accumulation_steps 1): the loss is the
+        # PipelineModule's loss_fn of its output, as a pipelined script trains
+        return lambda x, y: engine.train_batch(iter([(x, y)]))
     return _engine_step(engine)
 
 
@@ -193,8 +202,12 @@ def measure(a: argparse.Namespace) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
     torch.manual_seed(0)
     cfg = GPT_SIZES[a.model] if a.model else CPU_MODEL
-    model = GPT(cfg).to(device)
-    n_params = model.num_params()
+    if a.impl == "hybrid-pipe":  # the same GPT as a list of layers (a PipelineModule), one stage
+        from hybrid_ray.lm.pipeline_model import gpt_pipeline
+        model = gpt_pipeline(cfg).to(device)
+    else:
+        model = GPT(cfg).to(device)
+    n_params = sum(p.numel() for p in model.parameters())
     step = make_step(a, model, device)
     g = torch.Generator(device=device).manual_seed(rank)
     x = torch.randint(0, cfg.vocab_size, (a.mbs, cfg.seq_len), device=device, generator=g)
@@ -213,14 +226,14 @@ def measure(a: argparse.Namespace) -> None:
         _profile(a, step, x, y, rank, cuda)
     tok = a.mbs * cfg.seq_len
     flops_tok = 6 * n_params + 12 * cfg.n_layer * cfg.d_model * cfg.seq_len
-    sharded = a.impl in ("hybrid", "deepspeed")  # fsdp2 reports no stage
+    sharded = a.impl in ("hybrid", "hybrid-pipe", "deepspeed")  # fsdp2 reports no stage
     res = dict(impl=a.impl, stage=a.stage if sharded else None,
                offload=a.offload and sharded, delayed_update=a.delayed_update and a.offload and sharded,
                model=a.model or "cpu-small", dtype=a.dtype, world=world, mbs=a.mbs,
                params_m=round(n_params / 1e6, 1), step_ms=round(dt * 1e3, 2), tok_s_gpu=round(tok / dt),
                mfu=round(flops_tok * tok / dt / a.peak, 4) if cuda else None,
                peak_mem_gb=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
-               loss=round(loss.item(), 3), norm_activations=a.norm_activations if a.impl == "hybrid" else None)
+               loss=round(loss.item(), 3), norm_activations=a.norm_activations if sharded else None)
     if rank == 0:
         print("RESULT " + json.dumps(res), flush=True)
     dist.destroy_process_group()
@@ -238,7 +251,7 @@ def _profile(a: argparse.Namespace, step: Callable, x: torch.Tensor, y: torch.Te
     if rank != 0:
         return
     os.makedirs(a.profile, exist_ok=True)
-    name = f"{a.impl}{a.stage if a.impl in ('hybrid', 'deepspeed') else ''}_{a.model}"
+    name = f"{a.impl}{a.stage if a.impl in ('hybrid', 'hybrid-pipe', 'deepspeed') else ''}_{a.model}"
     sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
     with open(os.path.join(a.profile, f"{name}.txt"), "w") as f:
         f.write(prof.key_averages().table(sort_by=sort, row_limit=60, max_name_column_width=70))

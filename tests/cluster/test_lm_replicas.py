@@ -4,6 +4,7 @@ replica's other worker with it, the group re-forms at one replica with the globa
 and the run ends exactly as a one-replica run resumed from the same checkpoint does."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import threading
@@ -34,6 +35,15 @@ def trainer(raw: dict, workers: int) -> ElasticTrainer:
                           storage_path=os.path.dirname(out), run_name=os.path.basename(out))
 
 
+def resumed_from(root: Path, world: int) -> str:
+    steps = {}
+    for ckpt in root.glob("global_step*"):
+        meta = ckpt / "meta.json"
+        if meta.exists() and json.loads(meta.read_text())["world_size"] == world:
+            steps[int(ckpt.name[len("global_step"):])] = ckpt.name
+    return steps[max(steps)]
+
+
 class Holder:
     """Takes the room a lost replica frees, so the group cannot get its replica back."""
 
@@ -62,10 +72,9 @@ def test_a_lost_worker_drops_its_replica_and_the_run_ends_as_one_replica_from_it
     ray.kill(holder)
     assert killed.world_sizes == [4, 2] and killed.failures == 1, killed.events
     assert killed.value.steps == 16
-    # The one-replica generation started from the newest checkpoint: its first step is one past it.
-    first = [r["step"] for r in killed.records if "recovery_s" in r]
-    resumed_from = first[0] - 1
-    name = f"global_step{resumed_from}"
+    # The one-replica generation resumed from the newest checkpoint the two replicas committed
+    # (each checkpoint records the world that wrote it).
+    name = resumed_from(tmp_path / "killed" / "checkpoints", world=4)
     ref_raw = split_job(data, tmp_path / "ref")
     (tmp_path / "ref" / "checkpoints").mkdir(parents=True)
     shutil.copytree(tmp_path / "killed" / "checkpoints" / name, tmp_path / "ref" / "checkpoints" / name)
