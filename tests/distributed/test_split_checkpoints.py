@@ -15,6 +15,7 @@ import hybrid_ray as deepspeed
 from hybrid_ray.engine.checkpoint import read as cread
 from hybrid_ray.engine.checkpoint import storage as cio
 from tests.distributed import spawn
+from tests.distributed.test_pipeline import micro_batches as pipeline_batches
 from tests.distributed.test_tensor_parallel import GAS, PLAN, config, pipeline
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
@@ -30,12 +31,7 @@ def engine_at(world: int, tp: int, pp: int, zero: int):
 
 
 def micro_batches(step: int, dp: int, d: int):
-    g = torch.Generator().manual_seed(step)
-    out, n = [], SAMPLES // dp
-    for _ in range(GAS):
-        x, y = torch.randn(SAMPLES, 6, generator=g), torch.randint(0, 3, (SAMPLES,), generator=g)
-        out.append((x[d * n:(d + 1) * n], y[d * n:(d + 1) * n]))
-    return out
+    return pipeline_batches(step, dp, d, count=GAS, samples=SAMPLES)
 
 
 def train(engine, steps: range) -> list:

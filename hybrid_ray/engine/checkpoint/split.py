@@ -15,6 +15,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from ..tp.gather import cut, gather_whole
+
 Tensors = Dict[str, torch.Tensor]
 
 
@@ -61,25 +63,14 @@ class SplitLayout:
         dim = self._dim(name)
         if dim is None:
             return local
-        piece = local.to(self.device).contiguous()  # NCCL gathers device tensors only
-        pieces = [torch.empty_like(piece) for _ in range(self.tp)]
-        dist.all_gather(pieces, piece, group=self.tp_group)
-        parts = self.parts.get(name, 1)
-        if parts > 1:  # each rank holds its share of every part (a fused q, k, v)
-            whole = torch.cat([p.view(parts, -1, *p.shape[1:]) for p in pieces], 1)
-            return whole.reshape(-1, *piece.shape[1:]).to(local.device)
-        return torch.cat(pieces, dim).to(local.device)
+        return gather_whole(local, dim, self.parts.get(name, 1), self.tp_group, self.tp, self.device)
 
     def shard(self, name: str, whole: torch.Tensor) -> torch.Tensor:
         """This rank's shard of a whole tensor (the inverse of unshard; no communication)."""
         dim = self._dim(name)
         if dim is None:
             return whole
-        parts = self.parts.get(name, 1)
-        if parts > 1:
-            split = whole.view(parts, -1, *whole.shape[1:]).chunk(self.tp, dim=1)[self.tp_rank]
-            return split.reshape(-1, *whole.shape[1:]).contiguous()
-        return whole.chunk(self.tp, dim)[self.tp_rank].contiguous()
+        return cut(whole, dim, self.parts.get(name, 1), self.tp, self.tp_rank)
 
     def from_stages(self, obj: Any) -> List[Any]:
         """`obj` of every stage (this rank's counterparts), in stage order (collective)."""

@@ -25,6 +25,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, R
                                                SequenceParallel)
 
 from ...config import ConfigError
+from .gather import cut
 
 STYLE_NAMES = ("colwise", "rowwise", "sequence")
 
@@ -46,8 +47,7 @@ class FusedColwise(ColwiseParallel):
                                   f"{self.chunks} parts cannot each be split {size} ways")
             full = param.detach().clone()
             dist.broadcast(full, group_src=0, group=device_mesh.get_group())  # the first rank's values
-            parts = full.view(self.chunks, -1, *full.shape[1:]).chunk(size, dim=1)[rank]
-            local = parts.reshape(-1, *full.shape[1:]).contiguous()
+            local = cut(full, 0, self.chunks, size, rank)
             # Declared Shard(0) of the whole weight: true of its shape, and the layout is never
             # redistributed (outputs go back to local tensors), only its gradient read locally.
             dt = DTensor.from_local(local, device_mesh, [Shard(0)], run_check=False,
