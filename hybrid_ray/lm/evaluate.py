@@ -9,6 +9,9 @@ import torch.distributed as dist
 from torch.utils.data import Dataset
 
 from hybrid_ray.engine import Engine
+from hybrid_ray.engine.pipe import PipelineModule
+
+IGNORE_INDEX = -100  # cross-entropy's default: targets that score nothing
 
 
 def evenly_spaced(n: int, count: Optional[int]) -> List[int]:
@@ -29,6 +32,8 @@ def all_sum(t: torch.Tensor, engine: Engine) -> torch.Tensor:
 @torch.no_grad()
 def evaluate(engine: Engine, windows: Dataset, count: Optional[int]) -> float:
     """Mean loss (nats/token) over `count` evenly spaced windows (all if None), split over ranks."""
+    if isinstance(engine.module, PipelineModule):  # its forward gives logits: eval_batch scores
+        return _evaluate_stages(engine, windows, count)
     engine.eval()
     topo = engine.topology
     chosen = evenly_spaced(len(windows), count)
@@ -48,6 +53,35 @@ def evaluate(engine: Engine, windows: Dataset, count: Optional[int]) -> float:
             total[0] += loss.detach().double() * y.numel()
             total[1] += y.numel()
     engine.train()
+    total = all_sum(total, engine)
+    return float(total[0] / total[1])
+
+
+def _evaluate_stages(engine: Engine, windows: Dataset, count: Optional[int]) -> float:
+    """evaluate() for a PipelineModule, through eval_batch: with stages each call runs the
+    schedule over gradient_accumulation_steps micro-batches of the training shape (a stage's
+    buffers have that shape). A rank's last windows are padded with stand-ins whose targets
+    are the loss's ignore_index, so they score nothing, and a micro-batch of stand-ins only is
+    left out of the sums; every rank of a pipeline reads the same windows."""
+    topo = engine.topology
+    chosen = evenly_spaced(len(windows), count)
+    mine = chosen[topo.rank::topo.world_size]
+    mbs, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
+    calls = math.ceil(math.ceil(len(chosen) / topo.world_size) / (mbs * gas))
+    total = torch.zeros(2, dtype=torch.float64, device=engine.device)
+    for c in range(calls):
+        micro, tokens = [], []
+        for m in range(gas):
+            ids = mine[(c * gas + m) * mbs:(c * gas + m + 1) * mbs]
+            x, y = (torch.stack(t) for t in zip(*(windows[i] for i in ids + chosen[:1] * (mbs - len(ids)))))
+            y[len(ids):] = IGNORE_INDEX
+            micro.append((x, y))
+            tokens.append(y[:len(ids)].numel())
+        losses = engine.eval_batch(iter(micro), reduce_output=None)
+        for loss, n in zip(losses, tokens):
+            if n:
+                total[0] += loss.double() * n
+                total[1] += n
     total = all_sum(total, engine)
     return float(total[0] / total[1])
 

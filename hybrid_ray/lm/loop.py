@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from hybrid_ray.data.prepare import bits_per_byte, split_entropy
 from hybrid_ray.engine import Topology
+from hybrid_ray.engine.pipe import PipelineModule
 from hybrid_ray.cluster.compression_follower import DirectiveFollower
 from hybrid_ray.cluster.records import LinkProbe, Params, Text
 from hybrid_ray.engine.flops.report import format_report
@@ -58,7 +59,7 @@ def train(job: Job, ctx: Optional[RunContext] = None) -> RunResult:
         logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     meta = prepare_data(job.data, topo, log)
     job = for_world(job, topo.world_size)
-    run = build(job, topo, meta)
+    run = build(job, topo, meta, ctx.resume)
     resume(run, job, ctx, log)
     _header(job, run, threads, log)
     train_loss, seconds, tok_s, stopped = train_steps(job, run, log, ctx)
@@ -129,13 +130,7 @@ def train_steps(job: Job, run: Run, log: RunLog,
     last_loss, paused, first = float("nan"), 0.0, engine.global_steps
     start = t_log = time.perf_counter()
     for step in range(first + 1, steps + 1):
-        for _ in range(engine.gradient_accumulation_steps()):
-            x, y = next(data)
-            loss = engine(x.to(engine.device), y.to(engine.device))
-            engine.backward(loss)
-            engine.step()
-            loss_sum[0] += loss.detach().float()
-            loss_sum[1] += 1
+        one_step(engine, data, loss_sum)
         if follower is not None:
             follower.after_step()
         if step % every == 0 or step == steps:
@@ -164,6 +159,24 @@ def train_steps(job: Job, run: Run, log: RunLog,
     seconds = time.perf_counter() - start
     trained = (steps - first) * tokens_per_step
     return last_loss, seconds, trained / max(seconds - paused, 1e-9), steps != job.train.steps
+
+
+def one_step(engine, data: Iterator[Batch], loss_sum: torch.Tensor) -> None:
+    """One optimizer step over the next micro-batches of `data`; adds (loss, count) to
+    `loss_sum`, whose sum over the data-parallel ranks gives the mean loss. A model cut into
+    pipeline stages (or a PipelineModule at all) steps through train_batch (its schedule runs every micro-batch; it returns
+    their mean over the replicas, counted here once per rank so the sum over them is that mean)."""
+    if isinstance(engine.module, PipelineModule):
+        loss_sum[0] += engine.train_batch(data).float()
+        loss_sum[1] += 1
+        return
+    for _ in range(engine.gradient_accumulation_steps()):
+        x, y = next(data)
+        loss = engine(x.to(engine.device), y.to(engine.device))
+        engine.backward(loss)
+        engine.step()
+        loss_sum[0] += loss.detach().float()
+        loss_sum[1] += 1
 
 
 def _send_flops_report(run: Run, log: RunLog) -> bool:
@@ -248,7 +261,7 @@ def _header(job: Job, run: Run, threads: int, log: RunLog) -> None:
     split = "" if world == topo.world_size else (f" (tensor {engine.tp_world_size} x pipeline "
                                                  f"{world // topo.world_size // engine.tp_world_size} per replica)")
     log.say(f"hybrid_ray LM run: {world} process(es){split} on {topo.device.type} "
-            f"({topo.backend if topo.is_distributed else 'no process group'}), "
+            f"({dist.get_backend() if dist.is_initialized() else 'no process group'}), "
             f"{threads} thread(s) each, torch {torch.__version__}, Python {sys.version.split()[0]}")
     log.say(f"data:   {job.data.path} from {meta['source']}: {run.tokenizer.kind} tokenizer, "
             f"vocabulary {run.tokenizer.vocab_size}; train {tr['files']} files, {tr['tokens']:,} "
@@ -274,6 +287,10 @@ def _sample(job: Job, run: Run, log: RunLog) -> str:
     """
     t = job.train
     if not t.sample_tokens:
+        return ""
+    if run.engine.is_pipe_parallel():  # a forward needs the whole schedule, at the training shape
+        log.say("sample: none drawn in a run cut into pipeline stages; the exported model "
+                "(model/model.safetensors, GPT's names) samples on one process")
         return ""
     prompt = run.tokenizer.encode_batch([t.sample_prompt.encode()])[0] or [run.tokenizer.eot_id]
     ids = generate(run.engine, prompt, t.sample_tokens, t.temperature, job.model.seq_len,

@@ -102,3 +102,27 @@ def gpt_pipeline(cfg: GPTConfig, num_stages: Any = None, **kwargs: Any) -> GPTPi
     """GPT as a PipelineModule (kwargs: PipelineModule's, e.g. partition_method, seed_layers).
     Without num_stages the config's pipeline_model_parallel_size cuts it at initialize."""
     return GPTPipeline(cfg, num_stages=num_stages, **kwargs)
+
+
+def is_pipeline_state(state: Dict[str, Any]) -> bool:
+    """Whether a state dict has GPTPipeline's names (a checkpoint of a pipelined run)."""
+    return "tied_modules.embed.wte.weight" in state
+
+
+def as_gpt_state(state: Dict[str, Any]) -> Dict[str, Any]:
+    """GPTPipeline's state dict under models.gpt.GPT's names (the same tensors): the exported
+    model of a pipelined run loads into the GPT that the rest of the world uses. A state dict
+    with GPT's names already comes back unchanged."""
+    if not is_pipeline_state(state):
+        return dict(state)
+    last = max(int(k.split(".", 1)[0]) for k in state if k.split(".", 1)[0].isdigit())
+    out: Dict[str, Any] = {}
+    for key, value in state.items():
+        first, _, rest = key.partition(".")
+        if first == "tied_modules":  # tied_modules.embed.{wte,wpe,head}.weight
+            out[rest.partition(".")[2]] = value
+        elif int(first) == last:  # the final LayerNorm
+            out[f"ln_f.{rest}"] = value
+        else:  # layer i (1..n_layer) is block i - 1
+            out[f"blocks.{int(first) - 1}.{rest}"] = value
+    return out

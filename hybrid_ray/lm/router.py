@@ -22,6 +22,7 @@ from hybrid_ray.config.paths import is_uri
 from hybrid_ray.engine.checkpoint.offline import export
 from hybrid_ray.lm.job import Job
 from hybrid_ray.lm.metric_names import MetricNames
+from hybrid_ray.lm.pipeline_model import as_gpt_state
 from hybrid_ray.lm.placement import spool_dir
 from hybrid_ray.tracking import FlushReport, RunTracker
 from hybrid_ray.tracking.outputs import source_tags
@@ -173,7 +174,8 @@ def finish_tracking(tracker: RunTracker, out_dir: Optional[str], checkpoints: Op
     with _model_folder(out_dir, getattr(tracker, "spool_dir", None)) as folder:
         try:
             out = os.path.join(folder, "model.safetensors")
-            tag, state = export(checkpoints, out)
+            # A pipelined run's checkpoint has GPTPipeline's names: exported under GPT's.
+            tag, state = export(checkpoints, out, transform=as_gpt_state)
             # "weights/": a run's "model/" is where MLflow lists the logged model's own files.
             tracker.log_artifact(out, "weights")
             tracker.set_tags({"exported_checkpoint": tag})

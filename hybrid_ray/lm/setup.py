@@ -11,6 +11,7 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 
 import hybrid_ray
 from hybrid_ray.cluster.records import Metrics, Record, Text
@@ -20,6 +21,9 @@ from hybrid_ray.data.tokenizer import Tokenizer
 from hybrid_ray.engine import Engine
 from hybrid_ray.engine import Topology
 from hybrid_ray.lm.job import DataSection, Job
+from hybrid_ray.config import ConfigError
+from hybrid_ray.engine.checkpoint.offline import state_dict_keys
+from hybrid_ray.lm.pipeline_model import gpt_pipeline, is_pipeline_state
 from hybrid_ray.models import GPT, GPTConfig
 
 
@@ -135,22 +139,62 @@ class Run:
     num_params: int  # the whole model's (counted before tensor parallelism splits it)
 
 
-def build_model(job: Job, vocab_size: int, seed: int) -> GPT:
-    """The job's GPT, seeded (the same initial weights on every rank); the vocabulary rounded up
-    to `model.vocab_multiple`."""
+def gpt_config(job: Job, vocab_size: int) -> GPTConfig:
+    """The job's model; the vocabulary rounded up to `model.vocab_multiple`."""
     m = job.model
+    return GPTConfig(n_layer=m.n_layer, n_head=m.n_head, d_model=m.d_model,
+                     vocab_size=-(-vocab_size // m.vocab_multiple) * m.vocab_multiple,
+                     seq_len=m.seq_len, dropout=m.dropout)
+
+
+def build_model(job: Job, vocab_size: int, seed: int) -> GPT:
+    """The job's GPT, seeded (the same initial weights on every rank)."""
     torch.manual_seed(seed)
-    return GPT(GPTConfig(n_layer=m.n_layer, n_head=m.n_head, d_model=m.d_model,
-                         vocab_size=-(-vocab_size // m.vocab_multiple) * m.vocab_multiple,
-                         seq_len=m.seq_len, dropout=m.dropout))
+    return GPT(gpt_config(job, vocab_size))
 
 
-def build(job: Job, topo: Topology, meta: dict) -> Run:
-    """Model, engine and this rank's loader; every rank builds the same initial weights."""
+def build_stages(job: Job, vocab_size: int, seed: int, resuming: bool = False) -> nn.Module:
+    """The job's model for this rank: the GPT, or with pipeline_model_parallel_size > 1 this
+    rank's stage of the GPT as a PipelineModule. A stage builds only its own layers, each
+    seeded by its index (seed_layers), so its weights do not depend on which stage builds them
+    and no rank ever holds the whole model.
+
+    A run keeps its model's form, because the two name their weights differently: resumed
+    from a pipelined run's checkpoint, one stage is the PipelineModule whole (so a pipelined
+    run resumes at any pipeline size); a plain GPT's checkpoint resumes only unpipelined."""
+    stages = job.engine.pipeline_model_parallel_size
+    pipelined = _checkpoint_pipelined(job) if resuming else None
+    if pipelined is False and stages > 1:
+        raise ConfigError(f"engine.pipeline_model_parallel_size: {stages}, but the run's checkpoints "
+                          f"in {checkpoint_dir(job)} hold the GPT unpipelined (written at size 1), "
+                          "whose weights a pipeline cannot load: resume it at 1, or start a new run "
+                          "(another train.out_dir)", "engine.pipeline_model_parallel_size")
+    if stages == 1 and not pipelined:
+        return build_model(job, vocab_size, seed)
+    torch.manual_seed(seed)
+    return gpt_pipeline(gpt_config(job, vocab_size), num_stages=stages, seed_layers=True, base_seed=seed)
+
+
+def _checkpoint_pipelined(job: Job) -> Optional[bool]:
+    """Whether the newest checkpoint of the run holds the pipelined GPT (None: no checkpoint)."""
+    ckpt = checkpoint_dir(job)
+    keys = None if ckpt is None else state_dict_keys(ckpt)
+    return None if keys is None else is_pipeline_state(dict.fromkeys(keys))
+
+
+def whole_params(job: Job, vocab_size: int) -> int:
+    """The whole GPT's parameter count, counted on the meta device (nothing allocated)."""
+    with torch.device("meta"):
+        return GPT(gpt_config(job, vocab_size)).num_params()
+
+
+def build(job: Job, topo: Topology, meta: dict, resuming: bool = False) -> Run:
+    """Model, engine and this rank's loader; every rank builds the same initial weights
+    (`resuming`: the run's checkpoint decides the model's form, build_stages says how)."""
     m, d = job.model, job.data
     tok = load_tokenizer(d.path, meta)
-    model = build_model(job, tok.vocab_size, job.engine.seed or 0)
-    num_params = model.num_params()
+    model = build_stages(job, tok.vocab_size, job.engine.seed or 0, resuming)
+    num_params = whole_params(job, tok.vocab_size)
     train = open_split(d.path, meta, "train", m.seq_len, d.cache_dir)
     # print_steps off: the job prints its own progress lines (loop.py) and records every
     # steps_per_print step; DeepSpeed's line on top would say the same twice.

@@ -116,3 +116,48 @@ def test_tensor_parallel_job_matches_the_plain_one_and_resumes_unsplit(tmp_path)
     resumed = run_job(tmp_path, job, "--nproc", "1", "--resume")
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert "global_step20 at step 20" in resumed.stdout and "step    30/30" in resumed.stdout
+
+
+def run_file(tmp_path: Path, job_file: str, *flags: str) -> subprocess.CompletedProcess:
+    """A job file of jobs/configs as a user runs it, shortened (`flags`: --steps, --set)."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+    env["MLFLOW_TRACKING_URI"] = f"sqlite:///{tmp_path}/mlflow.db"
+    return subprocess.run([sys.executable, "jobs/train_lm.py", "--config", job_file, *flags],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=420)
+
+
+def test_the_tensor_and_pipeline_job_file_at_eight_processes_trains_as_two_and_resumes_whole(tmp_path):
+    """jobs/configs/tp2_pp2_cpu.json: (T, P, dp) = (2, 2, 2) on 8 gloo processes; in fp32 its
+    printed losses are those of (1, 2, 1) on 2; its checkpoint resumes on one process at
+    (1, 1, 1), and its exported model is the plain GPT's."""
+    common = ["--steps", "20", "--set", f"data.path={tmp_path / 'data'}",
+              "--set", "data.corpus.max_bytes=200000", "--set", "engine.bf16.enabled=false",
+              "--set", "train.require_below_baseline=false"]
+    split = run_file(tmp_path, "jobs/configs/tp2_pp2_cpu.json", "--nproc", "8", *common,
+                     "--set", f"train.out_dir={tmp_path / 'split'}")
+    assert split.returncode == 0, split.stdout[-3000:] + split.stderr[-3000:]
+    assert "8 process(es) (tensor 2 x pipeline 2 per replica) on cpu (gloo)" in split.stdout
+    assert "batch 16 = 4 micro x 2 accumulation x 2 ranks" in split.stdout
+    assert "eval  step 10: val loss" in split.stdout and "sample: none drawn" in split.stdout
+    staged = run_file(tmp_path, "jobs/configs/tp2_pp2_cpu.json", "--nproc", "2", *common,
+                      "--set", "engine.tensor_model_parallel_size=1",
+                      "--set", f"train.out_dir={tmp_path / 'staged'}")
+    assert staged.returncode == 0, staged.stdout[-3000:] + staged.stderr[-3000:]
+    assert "batch 16 = 4 micro x 4 accumulation x 1 ranks" in staged.stdout
+    assert _losses(split.stdout) == _losses(staged.stdout) and len(_losses(split.stdout)) == 4
+    # The exported model has the GPT's names and loads into it whole.
+    from safetensors.torch import load_file
+    from hybrid_ray.models import GPT, GPTConfig
+    state = load_file(str(tmp_path / "split" / "model" / "model.safetensors"))
+    gpt = GPT(GPTConfig(n_layer=4, n_head=4, d_model=64, vocab_size=state["wte.weight"].shape[0], seq_len=64))
+    gpt.load_state_dict(state, strict=True)
+    # The pipelined run's checkpoint resumes on one process, the PipelineModule whole.
+    whole = run_file(tmp_path, "jobs/configs/tp2_pp2_cpu.json", "--nproc", "1", "--resume", *common,
+                     "--set", "engine.tensor_model_parallel_size=1",
+                     "--set", "engine.pipeline_model_parallel_size=1",
+                     "--set", "train.steps=30", "--set", "engine.scheduler.params.total_num_steps=30",
+                     "--set", f"train.out_dir={tmp_path / 'split'}")
+    assert whole.returncode == 0, whole.stdout[-3000:] + whole.stderr[-3000:]
+    assert "global_step20 at step 20" in whole.stdout and "step    30/30" in whole.stdout
+    assert "1 process(es) on cpu" in whole.stdout and "sample (" in whole.stdout

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import io
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -136,6 +136,19 @@ def consolidated_state_dict(fs, ckpt: str, dtype: torch.dtype = torch.float32,
     return out
 
 
+def state_dict_keys(path_or_uri: str, tag: Optional[str] = None) -> Optional[List[str]]:
+    """The model's state_dict keys in a checkpoint (PATH itself, a tag under it, or the newest
+    good one), from its meta alone; None when there is no checkpoint there."""
+    try:
+        fs, ckpt = target(path_or_uri, tag)
+    except CheckpointError:
+        return None
+    _, small = cread.read_json_files(fs, ckpt)
+    meta = cio.json_from_bytes(small[cread.META])
+    layout = meta.get("module") or {}
+    return list(layout.get("state_dict_keys") or [e["name"] for e in meta.get("params", [])])
+
+
 def target(path_or_uri: str, tag: Optional[str]) -> Tuple[object, str]:
     """(filesystem, checkpoint directory): PATH itself when it is one, else the tag under it, or
     the one `latest` names with the usual fallback to the newest good one."""
@@ -149,14 +162,19 @@ def target(path_or_uri: str, tag: Optional[str]) -> Tuple[object, str]:
 
 
 def export(path_or_uri: str, out: str, dtype: torch.dtype = torch.float32,
-           tag: Optional[str] = None) -> Tuple[str, Dict[str, torch.Tensor]]:
-    """Write the consolidated state_dict to OUT (.safetensors or .pt, path or URI); returns
-    (the checkpoint exported, the state_dict)."""
+           tag: Optional[str] = None,
+           transform: Optional[Callable[[Dict[str, torch.Tensor]], Dict[str, torch.Tensor]]] = None,
+           ) -> Tuple[str, Dict[str, torch.Tensor]]:
+    """Write the consolidated state_dict to OUT (.safetensors or .pt, path or URI), after
+    `transform` when given (e.g. renaming a pipelined model's keys); returns (the checkpoint
+    exported, the state_dict written)."""
     suffix = out.rsplit(".", 1)[-1] if "." in out else ""
     if suffix not in ("safetensors", "pt"):
         raise CheckpointError(f"{out}: the output must end in .safetensors or .pt")
     fs, ckpt = target(path_or_uri, tag)
     state = consolidated_state_dict(fs, ckpt, dtype)
+    if transform is not None:
+        state = transform(state)
     out_fs, out_path = cio.filesystem(out)
     cio.write_bytes(out_fs, out_path, _serialise(state, suffix, ckpt.rpartition("/")[2]))
     return ckpt, state

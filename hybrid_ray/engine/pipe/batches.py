@@ -163,7 +163,7 @@ class PipelineBatches:
         self._window_open = True
         self.reducer.hold()  # the hooks wait: the micro-batches' gradients accumulate
         with self._stage_gathered():
-            loss = runner.step(micro)
+            loss = runner.step(micro).mean()
             self.reducer.before_backward(True)  # then every bucket is reduced once over the replicas
             self.reducer.after_backward()
         for _ in micro:
@@ -198,7 +198,7 @@ class PipelineBatches:
         return self.__dict__["_pipe_runner"]
 
     def _eval_stages(self, module: PipelineModule, data_iter: Iterator, return_logits: bool,
-                     num_micro_batches: Optional[int]) -> torch.Tensor:
+                     num_micro_batches: Optional[int], reduce_output: Optional[str]) -> Any:
         gas = self.gradient_accumulation_steps()
         if return_logits or num_micro_batches not in (None, gas):
             raise NotSupportedError("engine.eval_batch(): with pipeline stages, return_logits and a "
@@ -206,8 +206,10 @@ class PipelineBatches:
                                     "are not supported yet")
         micro = self._stage_micro_batches(data_iter, gas, "eval_batch")
         with self._evaluating(module), self._stage_gathered():
-            loss = self._runner().step(micro, train=False)
-        return self._pipeline_loss(module, loss)
+            losses = self._runner().step(micro, train=False)
+        if reduce_output is None:  # this replica's loss of each micro-batch, on every stage
+            return list(self._runner().broadcast_loss(losses).unbind())
+        return self._pipeline_loss(module, losses.mean())
 
     @contextlib.contextmanager
     def _evaluating(self, module: PipelineModule) -> Iterator[None]:
@@ -230,7 +232,7 @@ class PipelineBatches:
             raise ConfigError(f"eval_batch reduce_output: unknown; got {reduce_output!r}; allowed: 'avg', None")
         module = self._pipe_module("eval_batch")
         if module.pipe_layout is not None:
-            return self._eval_stages(module, data_iter, return_logits, num_micro_batches)
+            return self._eval_stages(module, data_iter, return_logits, num_micro_batches, reduce_output)
         losses, outputs = [], None
         with self._evaluating(module):
             for _ in range(num_micro_batches or self.gradient_accumulation_steps()):

@@ -90,7 +90,8 @@ class PipeRunner:
 
     def step(self, micro: List[Any], train: bool = True) -> torch.Tensor:
         """Forward and backward (or, not `train`, forward only) of every micro-batch
-        `(inputs, labels)`; this pipeline's mean loss (on the last stage; zero elsewhere)."""
+        `(inputs, labels)`; this pipeline's loss of each micro-batch (on the last stage; zeros
+        elsewhere)."""
         layout, engine = self.layout, self.engine
         gas = engine.gradient_accumulation_steps()
         self.scale = engine._scaler.loss_scale / gas if train else 1.0
@@ -107,11 +108,12 @@ class PipeRunner:
             engine.module.reduce_tied_grads()
             engine.zero.norm_excluded = engine._norm_once | engine.module.duplicate_tied_params()
         if not layout.last:
-            return torch.zeros((), device=engine.topology.device)
-        return torch.stack([x.detach().float() for x in losses]).mean() / self.scale
+            return torch.zeros(len(micro), device=engine.topology.device)
+        return torch.stack([x.detach().float() for x in losses]) / self.scale
 
     def broadcast_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """The last stage's loss on every stage of this pipeline, as DeepSpeed returns it."""
+        """The last stage's loss (or losses) on every stage of this pipeline, as DeepSpeed
+        returns it."""
         import torch.distributed as dist
 
         dist.broadcast(loss, group_src=self.layout.num_stages - 1, group=self.layout.pp_group)
