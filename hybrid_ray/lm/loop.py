@@ -163,9 +163,9 @@ def train_steps(job: Job, run: Run, log: RunLog,
 
 def one_step(engine, data: Iterator[Batch], loss_sum: torch.Tensor) -> None:
     """One optimizer step over the next micro-batches of `data`; adds (loss, count) to
-    `loss_sum`, whose sum over the data-parallel ranks gives the mean loss. A model cut into
-    pipeline stages (or a PipelineModule at all) steps through train_batch (its schedule runs every micro-batch; it returns
-    their mean over the replicas, counted here once per rank so the sum over them is that mean)."""
+    `loss_sum`, whose sum over the data-parallel ranks gives the mean loss. A PipelineModule
+    (cut into stages or not) steps through train_batch, whose loss is already the mean over
+    the replicas: counted once per rank, the sum over them is that mean again."""
     if isinstance(engine.module, PipelineModule):
         loss_sum[0] += engine.train_batch(data).float()
         loss_sum[1] += 1

@@ -136,14 +136,15 @@ def consolidated_state_dict(fs, ckpt: str, dtype: torch.dtype = torch.float32,
     return out
 
 
-def state_dict_keys(path_or_uri: str, tag: Optional[str] = None) -> Optional[List[str]]:
-    """The model's state_dict keys in a checkpoint (PATH itself, a tag under it, or the newest
-    good one), from its meta alone; None when there is no checkpoint there."""
-    try:
-        fs, ckpt = target(path_or_uri, tag)
-    except CheckpointError:
+def state_dict_keys(root_uri: str) -> Optional[List[str]]:
+    """The model's state_dict keys in the checkpoint a load under root would try first, from
+    its manifest and meta alone (target() would read and hash every tensor file to choose,
+    which the load that follows does anyway); None when there is no checkpoint there."""
+    fs, root = cio.filesystem(root_uri)
+    first = cread.preferred(fs, root) if cio.is_dir(fs, root) else None
+    if first is None:
         return None
-    _, small = cread.read_json_files(fs, ckpt)
+    _, small = cread.read_json_files(fs, cio.join(root, first.name))
     meta = cio.json_from_bytes(small[cread.META])
     layout = meta.get("module") or {}
     return list(layout.get("state_dict_keys") or [e["name"] for e in meta.get("params", [])])
