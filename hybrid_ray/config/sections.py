@@ -9,7 +9,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
-from hybrid_ray.config.errors import config_error, join_path
+from hybrid_ray.config.errors import Verbatim, config_error, join_path
 from hybrid_ray.config.loader import checked
 
 Dtype = Literal["fp32", "fp16", "bf16"]
@@ -208,12 +208,43 @@ class ActivationCheckpointingConfig:
 class PipelineConfig:
     """How a PipelineModule split into stages runs the micro-batches of a step."""
 
-    schedule: Literal["1f1b", "gpipe"] = "1f1b"
+    schedule: Literal["1f1b", "gpipe", "interleaved_1f1b"] = "1f1b"
     """1f1b: each stage alternates one forward and one backward once the pipeline is full, so it
     holds the activations of at most as many micro-batches as there are stages; gpipe: every
-    forward, then every backward (activations of every micro-batch held)."""
+    forward, then every backward (activations of every micro-batch held); interleaved_1f1b: 1f1b
+    over the several stages each rank holds (stages_per_rank), which shortens the pipeline's
+    fill and drain by that factor for more point-to-point messages."""
     micro_batches: Optional[int] = checked(None, ge=1)
     """Micro-batches per step; when set it must equal gradient_accumulation_steps (None: that)."""
+    stages_per_rank: int = checked(1, ge=1)
+    """Stages each rank of a pipeline holds: the layers are cut into pipeline_model_parallel_size
+    * stages_per_rank stages and rank r of a pipeline holds stages r, r + P, r + 2P, ... (the
+    looped placement of Megatron and torchtitan). More than one needs schedule interleaved_1f1b."""
+    partition_method: Optional[str] = None
+    """How the layers are cut into stages: 'parameters' (balanced parameter counts), 'uniform'
+    (balanced layer counts) or 'type:<regex>' (balanced counts of the layers whose class name
+    matches); None: the PipelineModule's own partition_method (DeepSpeed's default 'parameters')."""
+
+    def validate(self, path: str) -> None:
+        """The interleaved schedule and several stages per rank go together; the partition
+        method must be one the PipelineModule knows."""
+        if (self.schedule == "interleaved_1f1b") != (self.stages_per_rank > 1):
+            raise config_error(f"{join_path(path, 'schedule')}, {join_path(path, 'stages_per_rank')}",
+                               "contradiction", Verbatim(f"{self.schedule!r} with {self.stages_per_rank}"),
+                               "interleaved_1f1b runs several stages per rank, 1f1b and gpipe one: "
+                               "set stages_per_rank >= 2 with interleaved_1f1b, else 1")
+        check_partition_method(self.partition_method, join_path(path, "partition_method"))
+
+
+def check_partition_method(method: Optional[str], path: str) -> None:
+    """'parameters', 'uniform' or 'type:<regex>' (any case, as DeepSpeed reads it); None passes."""
+    if method is None or method.lower() in ("parameters", "uniform"):
+        return
+    if method.lower().startswith("type:"):
+        check_regex(method[5:], path)
+        return
+    raise config_error(path, "unknown partition method", method,
+                       "allowed: 'parameters', 'uniform', 'type:<regex>'")
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,7 @@ def parallel_topology(model: nn.Module, topology: Topology, config: Config,
     if pp > 1:
         lay = layout_on_mesh(pm)
         if own is None:
-            model.place(lay)
+            model.place(lay, config.pipeline.stages_per_rank, config.pipeline.partition_method)
         else:
             model.pipe_layout = lay  # the same stages and pipelines; the replicas now span tp too
     tpm = TensorParallelModel()  # nothing split within a stage, but the stage is a part now
@@ -68,8 +68,25 @@ def _stages(model: nn.Module, config: Config) -> int:
         if want > 1 and want != model.num_stages:
             raise ConfigError(f"pipeline_model_parallel_size: {want} differs from the "
                               f"PipelineModule's num_stages={model.num_stages}; set one, or both equal")
+        if model.num_stages > 1:  # one stage runs as a plain sequential model, however cut
+            _check_cut(model, config)
         return model.num_stages
     return want
+
+
+def _check_cut(model: PipelineModule, config: Config) -> None:
+    """A module cut at construction (num_stages given) was cut its own way: the config's
+    pipeline section may only repeat it."""
+    pc = config.pipeline
+    if pc.stages_per_rank > 1 and pc.stages_per_rank != model.stages_per_rank:
+        raise ConfigError(f"pipeline.stages_per_rank: {pc.stages_per_rank} differs from the "
+                          f"PipelineModule's stages_per_rank={model.stages_per_rank} (it was cut "
+                          "when built, num_stages given); set one, or both equal")
+    method = pc.partition_method
+    if method is not None and method.lower() != model.partition_method.lower():
+        raise ConfigError(f"pipeline.partition_method: {method!r} differs from the PipelineModule's "
+                          f"partition_method={model.partition_method!r} (it was cut when built, "
+                          "num_stages given); set one, or both equal")
 
 
 def _plan_of(model: nn.Module, tp_plan: Optional[Mapping[str, Any]], tp: int) -> Mapping[str, Any]:

@@ -1,6 +1,6 @@
 """A PipelineModule split into stages (torch.distributed.pipelining under the engine) trains as
-one process does on the whole batch: 2 stages at data-parallel 1 and 2, GPipe and 1F1B, ZeRO 0,
-1 and 2, gradient clipping over the whole model, a weight tied across stages, in fp32 (relative
+one process does on the whole batch: 2 stages at data-parallel 1 and 2, GPipe, 1F1B and
+interleaved 1F1B (two stages per rank), ZeRO 0 to 3, gradient clipping over the whole model, a weight tied across stages, in fp32 (relative
 error ~1e-6), bf16 and fp16."""
 from __future__ import annotations
 
@@ -32,8 +32,13 @@ PRECISION = {"fp32": {}, "bf16": {"bf16": {"enabled": True}},
 def config(dp: int, zero: int, schedule: str, precision: str = "fp32") -> dict:
     return {"train_micro_batch_size_per_gpu": MICRO * (2 // dp), "gradient_accumulation_steps": GAS,
             "gradient_clipping": 0.3, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-            "zero_optimization": {"stage": zero}, "pipeline": {"schedule": schedule},
+            "zero_optimization": {"stage": zero},
+            "pipeline": {"schedule": schedule, "stages_per_rank": per_rank(schedule)},
             **PRECISION[precision]}
+
+
+def per_rank(schedule: str) -> int:
+    return 2 if schedule == "interleaved_1f1b" else 1
 
 
 def micro_batches(step: int, dp: int, dp_rank: int, count: int = GAS, samples: int = 2 * MICRO):
@@ -55,7 +60,9 @@ def train(model: PipelineModule, dp: int, dp_rank: int, zero: int, schedule: str
 
 
 def staged(rank: int, world: int, out: str, zero: int, schedule: str, precision: str) -> None:
-    model = PipelineModule(layers=layers(), loss_fn=nn.CrossEntropyLoss(), num_stages=2, seed_layers=True)
+    model = PipelineModule(layers=layers(), loss_fn=nn.CrossEntropyLoss(), num_stages=2, seed_layers=True,
+                           stages_per_rank=per_rank(schedule))
+    assert len(model.virtual_stages) == per_rank(schedule)
     layout = model.pipe_layout
     engine, losses = train(model, layout.dp_size, layout.dp_rank, zero, schedule, precision)
     assert engine.is_pipe_parallel() and engine.is_first_stage() == (layout.stage == 0)
@@ -106,7 +113,8 @@ TOL = {"fp32": (1e-5, 1e-6), "bf16": (3e-2, 3e-2), "fp16": (5e-3, 5e-3)}
 @pytest.mark.parametrize("world,zero,schedule,precision", [
     (2, 0, "1f1b", "fp32"), (2, 1, "gpipe", "fp32"), (4, 1, "1f1b", "fp32"), (4, 2, "gpipe", "fp32"),
     (2, 2, "1f1b", "fp32"), (2, 1, "1f1b", "bf16"), (2, 0, "gpipe", "fp16"), (4, 2, "1f1b", "fp16"),
-    (4, 3, "1f1b", "fp32"), (4, 3, "gpipe", "bf16")])
+    (4, 3, "1f1b", "fp32"), (4, 3, "gpipe", "bf16"), (2, 1, "interleaved_1f1b", "fp32"),
+    (4, 3, "interleaved_1f1b", "bf16")])
 def test_stages_train_as_one_process(tmp_path: Path, world: int, zero: int, schedule: str, precision: str) -> None:
     spawn.run(staged, world, str(tmp_path), zero, schedule, precision, timeout_s=60)
     want_state, want_losses = reference(precision)
@@ -176,11 +184,18 @@ def gpt_micro_batches(step: int, dp: int, dp_rank: int):
     return out
 
 
-def gpt_run(num_stages: int, dp: int, dp_rank: int, zero: int = 1):
+def gpt_run(num_stages: int, dp: int, dp_rank: int, zero: int = 1, schedule: str = "1f1b", **pipe):
+    """`pipe`: the config's pipeline keys besides the schedule (num_stages None: the config's
+    pipeline_model_parallel_size cuts the model)."""
     from hybrid_ray.lm.pipeline_model import gpt_pipeline
 
-    model = gpt_pipeline(gpt_config(), num_stages, seed_layers=True)
-    cfg = config(dp, zero, "1f1b")
+    cut_by_config = num_stages is None
+    model = gpt_pipeline(gpt_config(), num_stages, seed_layers=True,
+                         **({} if cut_by_config else {"stages_per_rank": per_rank(schedule)}))
+    cfg = config(dp, zero, schedule)
+    cfg["pipeline"].update(pipe)
+    if cut_by_config:
+        cfg["pipeline_model_parallel_size"] = 2
     # AdamW's eps at 1e-5: at 1e-8 an embedding row whose gradient cancels to ~1e-8 (a token
     # the batch barely uses) turns rounding-level differences of two summation orders (dp 2
     # against one process) into weights 3e-5 apart on some CPUs.
@@ -190,15 +205,23 @@ def gpt_run(num_stages: int, dp: int, dp_rank: int, zero: int = 1):
     return engine, losses
 
 
-def gpt_staged(rank: int, world: int, out: str, zero: int) -> None:
-    engine, losses = gpt_run(2, world // 2, rank % (world // 2), zero)
-    assert "embed" in engine.module.tie_groups  # embedding on stage 0, head on stage 1
+def gpt_staged(rank: int, world: int, out: str, zero: int, schedule: str, cut_by_config: bool) -> None:
+    pipe = {"partition_method": "uniform"} if cut_by_config else {}
+    engine, losses = gpt_run(None if cut_by_config else 2, world // 2, rank % (world // 2), zero, schedule, **pipe)
+    module = engine.module
+    assert "embed" in module.tie_groups  # embedding on (rank) stage 0, head on stage 1
+    if cut_by_config:  # 5 layers in 4 stages of 1 or 2 layers: rank 0 holds stages 0 and 2
+        assert module.parts == [0, 1, 2, 4, 5] and module.partition_method == "uniform"
+        assert module.chunk_bounds() == ([(0, 1), (2, 4)] if module.stage_id == 0 else [(1, 2), (4, 5)])
     dump(engine, losses, out, rank)
 
 
-@pytest.mark.parametrize("world,zero", [(2, 1), (4, 2), (4, 3)])
-def test_the_project_gpt_in_two_stages_trains_as_one_process(tmp_path: Path, world: int, zero: int) -> None:
-    spawn.run(gpt_staged, world, str(tmp_path), zero, timeout_s=90)
+@pytest.mark.parametrize("world,zero,schedule,cut_by_config", [
+    (2, 1, "1f1b", False), (4, 2, "1f1b", False), (4, 3, "1f1b", False),
+    (2, 1, "interleaved_1f1b", False), (4, 2, "interleaved_1f1b", True)])
+def test_the_project_gpt_in_two_stages_trains_as_one_process(tmp_path: Path, world: int, zero: int,
+                                                             schedule: str, cut_by_config: bool) -> None:
+    spawn.run(gpt_staged, world, str(tmp_path), zero, schedule, cut_by_config, timeout_s=90)
     engine, want_losses = gpt_run(1, 1, 0)
     # dp 2 sums in another order: AdamW moves the weights ~1e-6 apart
     assert_like_one_process(tmp_path, world, engine.module.state_dict(), want_losses, 1e-4, 1e-5, {"rel": 1e-5})

@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import pickle
+import re
 
 import pytest
 
@@ -71,6 +72,28 @@ def test_seed_zero_block_values_parse():
     assert zero.stage == 2
     assert zero.allgather_bucket_size == 500_000_000
     assert type(zero.allgather_bucket_size) is int
+
+
+def test_pipeline_section_defaults_and_the_interleaved_schedule():
+    pipe = load_config(MICRO).pipeline
+    assert (pipe.schedule, pipe.stages_per_rank, pipe.partition_method, pipe.micro_batches) == (
+        "1f1b", 1, None, None)
+    pipe = load_config({**MICRO, "pipeline": {"schedule": "interleaved_1f1b", "stages_per_rank": 2,
+                                              "partition_method": "type:Block"}}).pipeline
+    assert (pipe.schedule, pipe.stages_per_rank, pipe.partition_method) == ("interleaved_1f1b", 2, "type:Block")
+
+
+@pytest.mark.parametrize("pipeline,match", [
+    ({"schedule": "interleaved_1f1b"}, r"^pipeline\.schedule, pipeline\.stages_per_rank: contradiction; "
+                                       r"got 'interleaved_1f1b' with 1"),
+    ({"stages_per_rank": 2}, r"^pipeline\.schedule, pipeline\.stages_per_rank: contradiction; got '1f1b' with 2"),
+    ({"stages_per_rank": 0}, r"^pipeline\.stages_per_rank: "),
+    ({"schedule": "zero_bubble"}, r"^pipeline\.schedule: "),
+    ({"partition_method": "balanced"}, r"^pipeline\.partition_method: unknown partition method; got 'balanced'"),
+    ({"partition_method": "type:(["}, r"^pipeline\.partition_method: invalid regular expression"),
+])
+def test_pipeline_section_refusals_name_the_key(pipeline, match):
+    assert re.search(match, error_of({**MICRO, "pipeline": pipeline}))
 
 
 def test_existing_config_is_returned_as_is():

@@ -36,7 +36,7 @@ def test_runs_its_layers_in_order_under_deepspeeds_names() -> None:
     model = pipe()
     assert sorted(model.state_dict()) == ["0.bias", "0.weight", "2.bias", "2.weight", "4.bias", "4.weight"]
     x = torch.randn(2, 6)
-    want = model._layers[4](F.relu(model._layers[2](torch.tanh(model._layers[0](x)))))
+    want = model._chunks[0][4](F.relu(model._chunks[0][2](torch.tanh(model._chunks[0][0](x)))))
     torch.testing.assert_close(model(x), want, rtol=0, atol=0)
 
 
@@ -119,9 +119,10 @@ def test_repeating_loader_restarts_and_sets_the_epoch() -> None:
 @pytest.mark.parametrize("make,error,match", [
     (lambda: pipe(num_stages=2), ConfigError, "num_stages=2: needs the process group first"),
     (lambda: pipe(partition_method="bogus"), ConfigError, "partition_method: unknown"),
-    (lambda: pipe(partition_method="type:["), ConfigError, "partition_method: bad regular expression"),
+    (lambda: pipe(partition_method="type:["), ConfigError, "partition_method: invalid regular expression"),
     (lambda: PipelineModule(layers=[3]), ConfigError, r"layers\[0\]: expected"),
     (lambda: LayerSpec(len), ConfigError, "typename must be an nn.Module class"),
+    (lambda: pipe(stages_per_rank=0), ConfigError, "stages_per_rank: must be >= 1; got 0"),
 ])
 def test_refuses_in_one_line(make, error, match) -> None:
     with pytest.raises(error, match=match):

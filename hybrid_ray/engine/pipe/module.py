@@ -12,6 +12,11 @@ stages by partition_method ('parameters': balanced parameter counts, 'uniform': 
 layers (layout.py places ranks: rank = stage * dp + d), and the engine runs them through
 torch.distributed.pipelining (stages.py). activation_checkpoint_interval runs every chunk of
 that many layers under torch.utils.checkpoint, as DeepSpeed recomputes them.
+
+stages_per_rank V > 1 (ours; the interleaved schedule) cuts the layers into num_stages * V
+stages and rank r of a pipeline holds stages r, r + P, ..., each a chunk of its own
+(forward(x, chunk=k)): the pipeline's fill and drain shrink by V for more messages. A parameter
+keeps the name of its layer's index, so checkpoints stay those of the unsplit model.
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from ...config import ConfigError
+from ...config.sections import check_partition_method
 from . import layout
 
 
@@ -67,32 +73,19 @@ class _Tied:
         return self.module(x) if self.forward_fn is None else self.forward_fn(self.module, x)
 
 
-def _check_partition_method(method: str) -> None:
-    low = method.lower()
-    if low in ("parameters", "uniform"):
-        return
-    if low.startswith("type:"):
-        try:
-            re.compile(method[5:])
-        except re.error as e:
-            raise ConfigError(f"partition_method: bad regular expression {method[5:]!r}: {e}") from None
-        return
-    raise ConfigError(f"partition_method: unknown; got {method!r}; allowed: 'parameters', 'uniform', "
-                      "'type:<regex>'")
-
-
 class PipelineModule(nn.Module):
     """DeepSpeed's `PipelineModule(layers, num_stages=None, topology=None, loss_fn=None,
     seed_layers=False, seed_fn=None, base_seed=1234, partition_method='parameters',
     activation_checkpoint_interval=0, activation_checkpoint_func=checkpoint,
-    checkpointable_layers=None, dynamic_shape=False)`."""
+    checkpointable_layers=None, dynamic_shape=False)`, and stages_per_rank (ours)."""
 
     def __init__(self, layers: Sequence[Any], num_stages: Optional[int] = None, topology: Any = None,
                  loss_fn: Optional[Callable] = None, seed_layers: bool = False,
                  seed_fn: Optional[Callable[[int], None]] = None, base_seed: int = 1234,
                  partition_method: str = "parameters", activation_checkpoint_interval: int = 0,
                  activation_checkpoint_func: Optional[Callable] = None,
-                 checkpointable_layers: Optional[List[str]] = None, dynamic_shape: bool = False) -> None:
+                 checkpointable_layers: Optional[List[str]] = None, dynamic_shape: bool = False,
+                 stages_per_rank: int = 1) -> None:
         super().__init__()
         stages = num_stages if num_stages is not None else getattr(topology, "get_dim", lambda _: 1)("pipe")
         if stages is None or int(stages) < 1:
@@ -100,8 +93,11 @@ class PipelineModule(nn.Module):
         if activation_checkpoint_interval < 0:
             raise ConfigError("PipelineModule activation_checkpoint_interval: must be >= 0; got "
                               f"{activation_checkpoint_interval}")
-        _check_partition_method(partition_method)
+        if int(stages_per_rank) < 1:
+            raise ConfigError(f"PipelineModule stages_per_rank: must be >= 1; got {stages_per_rank}")
+        check_partition_method(partition_method, "PipelineModule partition_method")
         self.num_stages, self.loss_fn = int(stages), loss_fn
+        self.stages_per_rank = int(stages_per_rank)
         self.partition_method = partition_method
         self.activation_checkpoint_interval = activation_checkpoint_interval
         self.activation_checkpoint_func = activation_checkpoint_func or (
@@ -116,37 +112,60 @@ class PipelineModule(nn.Module):
         self.stage_id = self.pipe_layout.stage if self.pipe_layout else 0
         self.parts = self._partition(list(layers))
         self.tied_modules = nn.ModuleDict()
-        self._layers: List[Any] = []  # this stage's, in order: modules, tied uses, callables
-        lo, hi = self.parts[self.stage_id], self.parts[self.stage_id + 1]
-        for i in range(lo, hi):
-            if seed_layers:
-                (seed_fn or torch.manual_seed)(base_seed + i)
-            self._layers.append(self._build(layers[i], i))
+        # this rank's chunks (one per stage it holds), in order: modules, tied uses, callables
+        self._chunks: List[List[Any]] = []
+        for lo, hi in self.chunk_bounds():
+            chunk = []
+            for i in range(lo, hi):
+                if seed_layers:
+                    (seed_fn or torch.manual_seed)(base_seed + i)
+                chunk.append(self._build(layers[i], i))
+            self._chunks.append(chunk)
         # A tied module used by several stages lives on each of them: one group per key and
         # pipeline makes their weights start equal and sums their gradients every step.
         self.tie_groups: Dict[str, Tuple[Any, List[int]]] = {}
         if self.pipe_layout is not None:
-            self._tie_across_stages(_tied_stages(layers, self.parts))
+            self._tie_across_stages(self._tied_ranks(layers))
 
-    def place(self, lay: "layout.PipeLayout") -> None:
-        """Cut a module built whole (no num_stages) into lay.num_stages stages and keep this
-        rank's: the engine does it when the config's pipeline_model_parallel_size asks for
-        stages. The layers were built in one-process order, so a stage's weights are the ones a
-        single process starts from. Collective (the tie groups)."""
+    @property
+    def virtual_stages(self) -> List[int]:
+        """The stages (of num_stages * stages_per_rank) this rank holds, in order."""
+        if self.num_stages == 1:
+            return [0]
+        return [self.stage_id + k * self.num_stages for k in range(self.stages_per_rank)]
+
+    def chunk_bounds(self) -> List[Tuple[int, int]]:
+        """[lo, hi) layer indexes of each chunk this rank holds."""
+        return [(self.parts[v], self.parts[v + 1]) for v in self.virtual_stages]
+
+    def _tied_ranks(self, layers: Sequence[Any]) -> Dict[str, List[int]]:
+        """For each tied key, the pipeline positions (ranks' stages) that hold it."""
+        return {key: sorted({v % self.num_stages for v in where})
+                for key, where in _tied_stages(layers, self.parts).items()}
+
+    def place(self, lay: "layout.PipeLayout", stages_per_rank: int = 1,
+              partition_method: Optional[str] = None) -> None:
+        """Cut a module built whole (no num_stages) into lay.num_stages * stages_per_rank stages
+        and keep this rank's: the engine does it when the config's pipeline_model_parallel_size
+        asks for stages. The layers were built in one-process order, so a stage's weights are
+        the ones a single process starts from. Collective (the tie groups)."""
         if self.stages_given or self.num_stages != 1:
             raise ConfigError("PipelineModule.place(): only a module built without num_stages can be "
                               f"cut into stages; this one has num_stages={self.num_stages}")
-        specs, built = self._specs, self._layers
+        specs, built = self._specs, self._chunks[0]
         self.num_stages, self.pipe_layout, self.stage_id = lay.num_stages, lay, lay.stage
+        self.stages_per_rank = stages_per_rank
+        self.partition_method = partition_method or self.partition_method
         self.parts = self._partition(specs)
-        lo, hi = self.parts[self.stage_id], self.parts[self.stage_id + 1]
-        for i in [i for i in range(len(specs)) if not lo <= i < hi]:
+        bounds = self.chunk_bounds()
+        kept = {i for lo, hi in bounds for i in range(lo, hi)}
+        for i in [i for i in range(len(specs)) if i not in kept]:
             self._modules.pop(str(i), None)
-        keys = {spec.key for spec in specs[lo:hi] if isinstance(spec, TiedLayerSpec)}
+        keys = {specs[i].key for i in kept if isinstance(specs[i], TiedLayerSpec)}
         for key in [k for k in self.tied_modules if k not in keys]:
             del self.tied_modules[key]
-        self._layers = built[lo:hi]
-        self._tie_across_stages(_tied_stages(specs, self.parts))
+        self._chunks = [built[lo:hi] for lo, hi in bounds]
+        self._tie_across_stages(self._tied_ranks(specs))
 
     def _tie_across_stages(self, stages_of: Dict[str, List[int]]) -> None:
         lay = self.pipe_layout
@@ -191,7 +210,7 @@ class PipelineModule(nn.Module):
         else:
             pattern = re.compile(self.partition_method[5:], re.IGNORECASE)
             weights = [1.0 if pattern.search(_type_name(layer)) else 0.0 for layer in layers]
-        return layout.partition(weights, self.num_stages)
+        return layout.partition(weights, self.num_stages * self.stages_per_rank)
 
     def _build(self, layer: Any, index: int) -> Any:
         if isinstance(layer, TiedLayerSpec):
@@ -214,15 +233,16 @@ class PipelineModule(nn.Module):
         modules = [f.module if isinstance(f, _Tied) else f for f in funcs]
         return any(isinstance(m, nn.Module) and next(m.parameters(), None) is not None for m in modules)
 
-    def forward(self, forward_input: Any) -> Any:
-        x = forward_input
+    def forward(self, forward_input: Any, chunk: int = 0) -> Any:
+        """This rank's stage (its `chunk`-th, when it holds several) applied to the input."""
+        x, layers = forward_input, self._chunks[chunk]
         interval = self.activation_checkpoint_interval if self.training else 0
         if interval == 0:
-            for layer in self._layers:
+            for layer in layers:
                 x = layer(x)
             return x
-        for start in range(0, len(self._layers), interval):
-            funcs = self._layers[start:start + interval]
+        for start in range(0, len(layers), interval):
+            funcs = layers[start:start + interval]
             run = _chunk(funcs)
             if self._checkpointable(funcs) and torch.is_grad_enabled():
                 x = self.activation_checkpoint_func(run, *(x if isinstance(x, tuple) else (x,)))

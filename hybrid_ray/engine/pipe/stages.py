@@ -1,6 +1,6 @@
 """A PipelineModule of several stages under the engine: each rank trains its stage, data-parallel
 with the other replicas of that stage, and torch.distributed.pipelining runs the micro-batches
-through the stages (GPipe or 1F1B).
+through the stages (GPipe, 1F1B, or interleaved 1F1B when a rank holds several stages).
 
 How a step goes: the schedule runs every micro-batch's forward and backward with the gradient
 hooks disarmed, so gradients accumulate (in the stage's flat buffer at ZeRO 0/1, in .grad at
@@ -18,7 +18,6 @@ At ZeRO 3 the stage's parameters are gathered once before the schedule and relea
 the reduction (Stage3Controller.held): the sharding saves the optimizer state and the master
 weights between steps, and the schedule's micro-batches cost no gathers of their own.
 
-Not yet: checkpoints of a pipelined model.
 """
 from __future__ import annotations
 
@@ -49,13 +48,13 @@ class _Stage(nn.Module):
     """The stage as the schedule calls it: under the engine's autocast, floating outputs in
     fp32 (what flows between stages and into the loss)."""
 
-    def __init__(self, module: PipelineModule, device_type: str, dtype: torch.dtype) -> None:
+    def __init__(self, module: PipelineModule, device_type: str, dtype: torch.dtype, chunk: int = 0) -> None:
         super().__init__()
-        self.inner, self.device_type, self.dtype = module, device_type, dtype
+        self.inner, self.device_type, self.dtype, self.chunk = module, device_type, dtype, chunk
 
     def forward(self, *args: Any) -> Any:
         with autocast_region(self.device_type, self.dtype):
-            out = self.inner(args[0] if len(args) == 1 else args)
+            out = self.inner(args[0] if len(args) == 1 else args, chunk=self.chunk)
         return out.float() if torch.is_tensor(out) and out.is_floating_point() else out
 
 
@@ -63,7 +62,8 @@ class PipeRunner:
     """The schedule of one engine's stage, built at the first train_batch."""
 
     def __init__(self, engine: Any) -> None:
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+        from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
+                                                  ScheduleInterleaved1F1B)
 
         pc, gas = engine.config.pipeline, engine.gradient_accumulation_steps()
         if pc.micro_batches is not None and pc.micro_batches != gas:
@@ -72,15 +72,18 @@ class PipeRunner:
                               "accumulation steps: set one, or both equal")
         module: PipelineModule = engine.module
         layout = module.pipe_layout
+        _check_schedule(pc.schedule, module.stages_per_rank, layout.num_stages, gas)
         self.engine, self.layout = engine, layout
         self.scale = 1.0
-        stage = PipelineStage(_Stage(module, engine.topology.device.type, engine.compute_dtype),
-                              layout.stage, layout.num_stages, engine.topology.device, group=layout.pp_group)
-        kinds = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
+        device, total = engine.topology.device, layout.num_stages * module.stages_per_rank
+        stages = [PipelineStage(_Stage(module, device.type, engine.compute_dtype, chunk=k), v, total,
+                                device, group=layout.pp_group)
+                  for k, v in enumerate(module.virtual_stages)]
+        kinds = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe, "interleaved_1f1b": ScheduleInterleaved1F1B}
         # The loss function scales as engine.backward does (loss scale / accumulation steps),
         # so the schedule must not divide the gradients again.
-        self.schedule = kinds[pc.schedule](stage, n_microbatches=gas, loss_fn=self._loss(module.loss_fn),
-                                           scale_grads=False)
+        self.schedule = kinds[pc.schedule](stages if len(stages) > 1 else stages[0], n_microbatches=gas,
+                                           loss_fn=self._loss(module.loss_fn), scale_grads=False)
 
     def _loss(self, loss_fn: Optional[Callable]) -> Callable:
         def scaled(outputs: Any, labels: Any) -> torch.Tensor:
@@ -118,3 +121,17 @@ class PipeRunner:
 
         dist.broadcast(loss, group_src=self.layout.num_stages - 1, group=self.layout.pp_group)
         return loss
+
+
+def _check_schedule(schedule: str, per_rank: int, num_stages: int, micro: int) -> None:
+    """The schedule fits the stages this rank holds and the step's micro-batches."""
+    if (schedule == "interleaved_1f1b") != (per_rank > 1):
+        raise ConfigError(f"pipeline.schedule: {schedule!r} with the PipelineModule's "
+                          f"stages_per_rank={per_rank}; interleaved_1f1b runs several stages per "
+                          "rank, 1f1b and gpipe one: set pipeline.stages_per_rank and the schedule "
+                          "together")
+    rounds = max(1, micro // num_stages)
+    if per_rank > 1 and micro % rounds:
+        raise ConfigError(f"gradient_accumulation_steps: {micro} micro-batches do not split into "
+                          f"rounds of the {num_stages} stages (interleaved_1f1b runs them "
+                          f"{num_stages} at a time); use a multiple of {num_stages}, or fewer")
