@@ -172,7 +172,10 @@ def build_stages(job: Job, vocab_size: int, seed: int, resuming: bool = False) -
     if stages == 1 and not pipelined:
         return build_model(job, vocab_size, seed)
     torch.manual_seed(seed)
-    return gpt_pipeline(gpt_config(job, vocab_size), num_stages=stages, seed_layers=True, base_seed=seed)
+    pc = job.engine.pipeline  # the engine's pipeline section cuts the stages (it checks they agree)
+    cut = {"stages_per_rank": pc.stages_per_rank if stages > 1 else 1,
+           "partition_method": pc.partition_method or "parameters"}
+    return gpt_pipeline(gpt_config(job, vocab_size), num_stages=stages, seed_layers=True, base_seed=seed, **cut)
 
 
 def _checkpoint_pipelined(job: Job) -> Optional[bool]:
