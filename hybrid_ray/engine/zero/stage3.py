@@ -7,10 +7,16 @@ every `nn.ModuleList` (a transformer's blocks). Everything else, parameters shar
 Parameters smaller than `stage3_param_persistence_threshold` are not partitioned at all: they
 are kept whole on every rank and treated like stage 2 (no per-use collective for a LayerNorm).
 
-Storage. Gathering allocates a flat buffer for the unit, all-gathers every rank's shard into it
-and points the parameters' `.data` at views of it; releasing points them at an empty tensor and
-drops the buffer. Between uses a rank holds only its shard (the half-precision copy that the
-optimizer writes back into) plus its fp32 master shard.
+Storage. Each space keeps one flat buffer object for its whole life. Gathering gives its storage
+the space's bytes, all-gathers every rank's shard into it and points the parameters' `.data` at
+views of it; releasing points them at an empty tensor and shrinks the storage to zero bytes.
+Why the storage and not a fresh buffer each time: autograd saves views of the weights (a
+linear layer keeps `weight.t()`, a tensor-parallel module a DTensor over its shard), and a view
+keeps its storage alive. With a fresh buffer per gather, every unit's parameters stayed whole
+from its forward to its backward; with one storage resized in place (as FSDP2 does) the bytes
+go at release, and the saved views read the re-gathered values in backward. Between uses a rank
+holds only its shard (the half-precision copy that the optimizer writes back into) plus its
+fp32 master shard.
 
 Schedule. A unit is gathered in its forward pre-hook and released in its forward post-hook;
 forward hooks on its outputs gather it again just before its backward; it is released once all
@@ -83,8 +89,9 @@ class Unit:
     """One gather/release group: spaces whose parameters are whole only while in use.
 
     Released, every parameter's `.data` is an empty tensor (shape [0]): stray use outside the
-    unit's forward then fails with a shape error instead of reading freed memory. Gathered, a
-    fresh flat buffer receives every rank's shard and the parameters become views into it.
+    unit's forward then fails with a shape error instead of reading freed memory. Gathered, the
+    spaces' flat buffers get their bytes back, receive every rank's shard and the parameters
+    become views into them.
     Autograd keeps working across the swap because it holds the parameter objects, whose data
     is whole again (re-gathered) when their backward runs.
     """
@@ -113,7 +120,7 @@ class Unit:
         if self.gathered:
             return
         for s in self.spaces:
-            s.flat = torch.empty(s.numel, dtype=s.dtype, device=s.device)
+            _fill_storage(s)
             for bucket, lo, hi, off in s.shard_slices():
                 out = s.flat[bucket.start:bucket.start + bucket.numel]
                 self.works.append(comm.all_gather(out, s.local_shard[off:off + hi - lo],
@@ -145,9 +152,18 @@ class Unit:
             empty = torch.empty(0, dtype=s.dtype, device=s.device)
             for p in s.params:
                 p.data = empty
-            s.flat = empty
+            s.flat.untyped_storage().resize_(0)
         self._mark(partition.ZeroParamStatus.NOT_AVAILABLE)
         self.gathered = False
+
+
+def _fill_storage(space: FlatSpace) -> None:
+    """Give the space's flat buffer its bytes again (contents undefined until gathered into)."""
+    nbytes = space.numel * space.flat.element_size()
+    if space.flat.numel() != space.numel:  # a zero.Init space has had no whole buffer yet
+        space.flat = torch.empty(space.numel, dtype=space.dtype, device=space.device)
+    elif space.flat.untyped_storage().nbytes() < nbytes:
+        space.flat.untyped_storage().resize_(nbytes)
 
 
 class Stage3Controller:
