@@ -1,5 +1,5 @@
 """Checkpoints of a split model do not depend on the layout: saved at (tensor, pipeline,
-data-parallel) = (2, 2, 2), a checkpoint loads at (1,1,1), (1,2,2), (2,1,2) and (1,1,8), at
+data-parallel) = (2, 2, 2), a checkpoint loads at (1,1,1), (1,2,2), (2,1,2), (2,1,4) and (1,1,8), at
 another ZeRO stage too, and saving again there writes the same tensors bit for bit (every
 parameter whole with its optimizer state, under the unsplit model's names); loaded back at
 (2, 2, 2) it is the same again, and training on from it matches training on from the original."""
@@ -95,7 +95,7 @@ def test_a_split_checkpoint_loads_at_any_layout(tmp_path: Path) -> None:
     assert "1.fc1.weight/exp_avg" in tensors
     continued = json.loads((tmp_path / "continued.json").read_text())
     for dst, world, tp, pp, zero in [("b111", 1, 1, 1, 0), ("b122", 4, 1, 2, 2), ("b212", 4, 2, 1, 3),
-                                     ("b118", 8, 1, 1, 3)]:
+                                     ("b214", 8, 2, 1, 2), ("b118", 8, 1, 1, 3)]:
         spawn.run(reload, world, out, "a", dst, tp, pp, zero, timeout_s=120)
         assert_same(saved, tmp_path / dst / "s2")
         losses = json.loads((tmp_path / f"{dst}.json").read_text())
