@@ -57,6 +57,21 @@ def test_train_batch_equals_the_engine_loop() -> None:
     assert [x.item() for x in losses] == pytest.approx([(manual[i] + manual[i + 1]) / 2 for i in (0, 2, 4)])
 
 
+def test_train_batch_lets_go_of_each_micro_batchs_outputs_before_its_backward() -> None:
+    # The outputs (a language model's logits) are the largest activation; cross-entropy's
+    # backward needs only its own saved softmax, so nothing may keep them alive into backward.
+    import weakref
+
+    model = pipe()
+    seen = []
+    model._chunks[0][4].register_forward_hook(lambda m, a, out: seen.append(weakref.ref(out)))
+    alive = []
+    model._chunks[0][0].register_full_backward_hook(lambda m, gi, go: alive.append(seen[-1]() is not None))
+    engine = deepspeed.initialize(model=model, config=CFG)[0]
+    engine.train_batch(iter(batches(2)))
+    assert alive == [False, False]
+
+
 def test_train_batch_draws_from_training_data_forever() -> None:
     data = batches(3)  # 3 micro-batches: the second step's second one comes from a new pass
     dataset = [(x[i], y[i]) for x, y in data for i in range(4)]

@@ -148,7 +148,9 @@ class PipelineBatches:
             return self._train_stages(module, it)
         losses = []
         for _ in range(self.gradient_accumulation_steps()):
-            loss, _ = self._loss_of(module, next(it), "train_batch")
+            # Only the loss is kept: a name bound to the outputs (a language model's logits, the
+            # largest activation) would hold them through the backward and the next forward.
+            loss = self._loss_of(module, next(it), "train_batch")[0]
             self.backward(loss)
             self.step()
             losses.append(loss)
