@@ -9,9 +9,10 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from hybrid_ray.config.checkpoint import CheckpointConfig
+from hybrid_ray.config.fault_tolerance import FaultToleranceConfig
 from hybrid_ray.config.compat_sections import (AmpConfig, CSVMonitorConfig, ElasticityConfig,
                                                TensorBoardConfig, WandbConfig)
-from hybrid_ray.config.errors import ConfigError, Verbatim, config_error
+from hybrid_ray.config.errors import ConfigError, NotSupportedError, Verbatim, config_error
 from hybrid_ray.config.loader import checked, flatten, to_plain
 from hybrid_ray.config.optim import OptimizerConfig, SchedulerConfig
 from hybrid_ray.config.sections import (ActivationCheckpointingConfig, BF16Config,
@@ -106,18 +107,34 @@ class Config:
     """Per-module dtypes and precision rules (ours, not DeepSpeed's)."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Asynchronous checkpoint saves and retention (ours, not DeepSpeed's)."""
+    fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
+    """Copies of each rank's shard in another rank's memory, for recovery without a disk read."""
 
     def validate(self, path: str) -> None:
         """Cross-section rules that no single section can check."""
         if self.fp16.enabled and self.bf16.enabled:
             raise config_error("fp16.enabled, bf16.enabled", "contradiction",
                                Verbatim("both true"), "enable at most one")
+        self._validate_replicas()
         kind, comm = self.gradient_compression.type, self.communication_data_type
         if kind in ("fp16", "bf16") and comm is not None and comm != kind:
             raise config_error("gradient_compression.type, communication_data_type", "contradiction",
                                Verbatim(f"{kind!r} and {comm!r}"),
                                "gradient_compression fp16/bf16 sets the reduction dtype: leave "
                                "communication_data_type unset or equal to it")
+
+    def _validate_replicas(self) -> None:
+        if not self.fault_tolerance.replicas:
+            return
+        if self.tensor_model_parallel_size > 1 or self.pipeline_model_parallel_size > 1:
+            raise config_error("fault_tolerance.replicas", "not supported with tensor or pipeline "
+                               "parallelism yet", self.fault_tolerance.replicas,
+                               "set it to 0 (a lost worker's replica resumes from the newest checkpoint)",
+                               cls=NotSupportedError)
+        if self.zero_optimization.offload_optimizer.delayed_param_update:
+            raise config_error("fault_tolerance.replicas, zero_optimization.offload_optimizer."
+                               "delayed_param_update", "not supported together yet",
+                               Verbatim("both set"), "turn one of them off", cls=NotSupportedError)
 
     @property
     def base_dtype(self) -> str:

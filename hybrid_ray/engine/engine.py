@@ -12,7 +12,7 @@ The parts live elsewhere: precision.py decides dtypes per module; zero/ lays par
 flat buckets (flat.py), moves gradients into fp32 master shards (reducer.py), steps the optimizer
 and gathers parameters back (optimizer.py); loss_scaler.py scales fp16 losses; checkpoint/ saves
 and loads the TrainState; accessors.py holds the DeepSpeed-compatible getters; lifecycle.py
-close(), destroy() and `with engine:`.
+close(), destroy() and `with engine:`; persistence.py the state methods (export, checkpoints, replicas).
 """
 from __future__ import annotations
 
@@ -30,15 +30,16 @@ from ..config.loader import to_plain
 from . import build
 from .accessors import DeepSpeedAccessors
 from .activation_checkpointing import apply_activation_checkpointing
-from .checkpoint import Checkpointer, StepCounters, TrainState
+from .checkpoint import Checkpointer, StepCounters
 from .compression import reduction_setup
 from .loss_scaler import LossScaler, NoLossScaler, build_loss_scaler
 from .zero.offload import HostOffload
 from .precision import HALF, PrecisionPolicy, autocast_region, cast_floating, dtype_of
 from .flops.profiler import StepProfiler
 from .lifecycle import EngineLifecycle, track
+from .persistence import EngineState, build_replicas
 from .pipe import PipelineBatches
-from .parallelism import checkpoint_split, checkpoint_topology, parallel_topology, whole_state
+from .parallelism import checkpoint_topology, parallel_topology
 from .zero.reducer import GradReducer, ReduceOptions
 from .schedulers import build_scheduler
 from .topology import Topology
@@ -52,7 +53,7 @@ class NonFiniteGradientError(RuntimeError):
     """Too many consecutive steps had inf/NaN gradients in a run without dynamic loss scaling."""
 
 
-class Engine(EngineLifecycle, DeepSpeedAccessors, PipelineBatches):
+class Engine(EngineLifecycle, EngineState, DeepSpeedAccessors, PipelineBatches):
     """Wraps a model for mixed-precision, ZeRO-sharded data-parallel training."""
 
     def __init__(self, model: nn.Module, config: Any, model_parameters: Any = None,
@@ -94,6 +95,7 @@ class Engine(EngineLifecycle, DeepSpeedAccessors, PipelineBatches):
         self.flops_profiler = StepProfiler(self.config.flops_profiler, self.module,
                                            self.topology.rank, self.topology.device.type)
         self._note_no_effect_settings()
+        self.replicas = build_replicas(self)  # the buddy ring (fault_tolerance): collective
         track(self)  # released at interpreter exit if still alive (lifecycle.py)
 
     # ---- construction -----------------------------------------------------------------
@@ -227,6 +229,8 @@ class Engine(EngineLifecycle, DeepSpeedAccessors, PipelineBatches):
         try:
             return self.module(*args, **kwargs)
         except RuntimeError as e:  # most likely an empty (released) parameter read out of turn
+            if _from_the_group(e):  # a lost peer, not the model: no hint
+                raise
             raise RuntimeError(f"{e} [ZeRO-3: between uses a block's parameters are empty tensors; "
                                "a parameter read outside its own module's forward must be declared "
                                "with hybrid_ray.register_external_parameter(module, param)]") from e
@@ -271,6 +275,9 @@ class Engine(EngineLifecycle, DeepSpeedAccessors, PipelineBatches):
             self._window_t0 = None
         self.global_steps += 1
         self._apply_schedule()
+        if self.replicas is not None:
+            self.replicas.after_step(self.train_state(), self.global_steps,
+                                     lambda: {"compression": self.reducer.compression_state()})
 
     def _after_step(self, outcome: StepOutcome) -> None:
         scaler = self._scaler
@@ -311,54 +318,6 @@ class Engine(EngineLifecycle, DeepSpeedAccessors, PipelineBatches):
         saving the weights. A no-op otherwise. Collective: every rank calls it."""
         self.zero.flush()
 
-    # ---- state ------------------------------------------------------------------------
-    def consolidated_state_dict(self, dtype: torch.dtype = torch.float32,
-                                rank0_only: bool = True) -> dict:
-        """The full model state on the CPU of rank 0 (every rank with rank0_only=False), from the
-        fp32 masters, for export: works at every stage, gathering one flat space at a time, and
-        with the model split (tensor parallelism, stages) under the unsplit model's names.
-        All ranks must call it."""
-        mesh, layout = self.topology.mesh, self._pipe_layout()
-        split = mesh is not None or layout is not None
-        state = relayout.consolidated_state_dict(self.module, self.spaces, self.zero.masters,
-                                                 self.topology, dtype, rank0_only and not split)
-        return whole_state(state, self._placed, mesh, layout, self.device, rank0_only) if split else state
-
-    def save_checkpoint(self, save_dir: str, tag: Optional[str] = None,
-                        client_state: Optional[dict] = None, async_save: Optional[bool] = None) -> str:
-        """Write a checkpoint (local path or pyarrow.fs URI) loadable at any world size and
-        ZeRO stage; see checkpoint/. Collective: every rank calls it. async_save (default:
-        config `checkpoint.async_save`) returns once the state is copied to host memory; the
-        files are written and committed in the background (see wait_checkpoint)."""
-        return self.checkpointer.save(save_dir, tag, client_state, async_save)
-
-    def wait_checkpoint(self) -> Optional[str]:
-        """Block until this rank's asynchronous save is committed; its path (None if no save was
-        in flight). Raises the save's CheckpointError, once. Not collective."""
-        return self.checkpointer.wait()
-
-    def load_checkpoint(self, load_dir: str, tag: Optional[str] = None, load_optimizer_states: bool = True,
-                        load_lr_scheduler_states: bool = True, load_module_only: bool = False):
-        """(path, client_state) of the checkpoint loaded (tag None: `latest`, falling back to the
-        newest good one), or (None, None). Collective: every rank calls it."""
-        out = self.checkpointer.load(load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
-                                     load_module_only)
-        if out[0] is not None:
-            self._window_open = False  # gradients of a window begun before the load are dropped
-            self._apply_schedule()
-        return out
-
-    def train_state(self) -> TrainState:
-        """What a checkpoint saves and restores, as of now (the layout changes with a precision
-        switch, so it is built for each save and load)."""
-        return TrainState(module=self.module, spaces=self.spaces, masters=self.zero.masters,
-                          optimizer=self.optimizer, master_device=self.zero.master_device,
-                          topology=self.topology, config=self.config, precision=self.base_dtype,
-                          loss_scaler=self.loss_scaler, lr_scheduler=self.lr_scheduler,
-                          counters=self.counters, data_loader=self.training_dataloader,
-                          write_back=self.zero.write_back, log=self._log,
-                          split=checkpoint_split(self.topology, self.module, self._placed))
-
     def compression_stats(self) -> dict:
         """Gradient bytes this rank sent in the last optimizer step against the uncompressed
         reduction, and how that step's time split: {"bytes_sent", "dense_bytes", "ratio",
@@ -390,3 +349,10 @@ class Engine(EngineLifecycle, DeepSpeedAccessors, PipelineBatches):
         self.config = replace_section(self.config, "gradient_compression", raw)
         self.reducer.set_compression(reduction_setup(self.config))
         self._log(f"step {self.global_steps}: gradient_compression {old} -> {self.gradient_compression}")
+
+
+def _from_the_group(e: BaseException) -> bool:
+    """A collective failed (gloo or NCCL: a lost or frozen peer), as opposed to the model."""
+    text = str(e)
+    return isinstance(e, torch.distributed.DistError) or any(
+        mark in text for mark in ("gloo", "NCCL", "ProcessGroup", "Connection reset", "Timed out"))

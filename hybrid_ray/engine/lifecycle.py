@@ -34,7 +34,7 @@ from typing import Any, Optional
 log = logging.getLogger("hybrid_ray")
 
 # What an engine holds that references its process group; dropped by _release().
-HOLDS_GROUP = ("reducer", "zero", "stage3", "checkpointer")
+HOLDS_GROUP = ("reducer", "zero", "stage3", "checkpointer", "replicas")
 
 _live: "weakref.WeakSet[Any]" = weakref.WeakSet()
 _hooked = False
@@ -158,6 +158,8 @@ class EngineLifecycle:
             self.checkpointing.remove()
             self._remove_hooks()
             self.reducer.grads.clear()
+            if self.__dict__.get("replicas") is not None:
+                self.replicas.close(wait=collective)  # the keeper keeps what was copied
 
     def _end(self, collective: bool) -> None:
         """close(), or its local part, then release the group (the work of destroy())."""
@@ -176,6 +178,8 @@ class EngineLifecycle:
             self.reducer.drain()
             if self.stage3 is not None:
                 self.stage3.drain()
+        except RuntimeError as e:  # a lost peer broke them: the group is being dropped anyway
+            log.info("collectives in flight failed while releasing the engine: %s", str(e)[:200])
         finally:
             for name in HOLDS_GROUP:
                 self.__dict__.pop(name, None)

@@ -10,7 +10,7 @@ them after an overflow (the sum that produced them held inf/NaN).
 from __future__ import annotations
 
 import math
-from typing import Dict, Sequence, Tuple
+from typing import Any, Dict, Sequence, Tuple
 
 import torch
 
@@ -38,5 +38,17 @@ class ErrorFeedback:
             for r in self.residuals.values():
                 r.mul_(scale_ratio)
 
+    def state_dict(self) -> Dict[str, Any]:
+        """Host copies of what a recovery at the same size needs to go on bit for bit."""
+        return {"step": self.step, "residuals": host_copies(self.residuals)}
+
+    def load_state_dict(self, state: Dict[str, Any], device: torch.device) -> None:
+        self.step = state["step"]
+        self.residuals = {k: v.to(device) for k, v in state["residuals"].items()}
+
     def residual_norm(self) -> float:
         return math.sqrt(sum(float(r.double().square().sum()) for r in self.residuals.values()))
+
+
+def host_copies(tensors: Dict[Any, torch.Tensor]) -> Dict[Any, torch.Tensor]:
+    return {k: v.detach().to("cpu", copy=True) for k, v in tensors.items()}

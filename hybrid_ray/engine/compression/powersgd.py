@@ -49,12 +49,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
-from .base import BucketKey, ErrorFeedback, Layout
+from .base import BucketKey, ErrorFeedback, Layout, host_copies
 
 
 
@@ -111,6 +111,14 @@ class PowerSGD(ErrorFeedback):
         super().on_step(overflow, scale_ratio)
         if overflow:
             self._q.clear()  # Q's are scale-free, so a new loss scale needs nothing else
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {**super().state_dict(), "q": host_copies(self._q), "draws": dict(self._draws)}
+
+    def load_state_dict(self, state: Dict[str, Any], device: torch.device) -> None:
+        super().load_state_dict(state, device)
+        self._q = {k: v.to(device) for k, v in state["q"].items()}
+        self._draws = dict(state["draws"])
 
     def exchange(self, key: BucketKey, grad: torch.Tensor, lo: int, hi: int,
                  group: Optional[dist.ProcessGroup], layout: Optional[Layout] = None

@@ -39,7 +39,7 @@ from hybrid_ray.config.sections import ZeroConfig
 
 from .. import comm
 from ..compression import Reduction
-from ..compression.base import BucketKey
+from ..compression.base import BucketKey, host_copies
 from ..compression.stats import CommStats, StepTimer
 from ..topology import Topology
 from .flat import Bucket, FlatSpace
@@ -352,6 +352,21 @@ class GradReducer:
         elif scale_ratio != 1.0:
             for r in self.carry.values():
                 r.mul_(scale_ratio)
+
+    def compression_state(self) -> dict:
+        """This rank's compression state on the host (residuals, warm-up, PowerSGD's factors)."""
+        c = self.compressor
+        return {"carry": host_copies(self.carry), "compressor": None if c is None else c.state_dict(),
+                "kind": None if c is None else type(c).__name__}
+
+    def load_compression_state(self, state: dict) -> None:
+        """What compression_state() returned, for the same method (else it is left as is)."""
+        c = self.compressor
+        if state["kind"] != (None if c is None else type(c).__name__):
+            return
+        self.carry = {k: v.to(self.topo.device) for k, v in state["carry"].items()}
+        if c is not None:
+            c.load_state_dict(state["compressor"], self.topo.device)
 
     def _finish(self, work: Optional[dist.Work], result: torch.Tensor, out: torch.Tensor,
                 accumulate: bool) -> None:

@@ -1,0 +1,33 @@
+"""The `fault_tolerance` section: copies of each rank's ZeRO shard in another rank's memory."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hybrid_ray.config.errors import NotSupportedError, config_error
+from hybrid_ray.config.loader import checked
+
+
+@dataclass(frozen=True)
+class FaultToleranceConfig:
+    """Buddy replicas: every rank's optimizer shard (fp32 masters, optimizer state, loss-scaler
+    and schedule state, data position, RNG) also lives in the host memory of the next rank, so
+    that a lost worker's shard is rebuilt from memory instead of read from a checkpoint."""
+
+    replicas: int = checked(0, choices=(0, 1))
+    """1: keep one copy of each rank's shard on its buddy; 0: none (recovery reads checkpoints)."""
+    mode: str = checked("copy", choices=("copy", "replay"))
+    """copy: every `copy_interval` steps each rank sends its updated shard to its buddy, in the
+    background. replay: each step's reduced gradient shard is sent instead and the buddy applies
+    the same optimizer step to its copy (not available yet)."""
+    copy_interval: int = checked(1, ge=1)
+    """Steps between copies (mode copy): a recovery redoes at most this many steps."""
+    spare_workers: int = checked(0, ge=0)
+    """Actors the Ray driver keeps started and waiting, so a lost worker is replaced at once."""
+    timeout_s: float = checked(60.0, gt=0)
+    """Seconds a copy waits for its buddy before the exchange counts as failed."""
+
+    def validate(self, path: str) -> None:
+        if self.mode == "replay" and self.replicas:
+            raise config_error(f"{path}.mode", "not available yet", self.mode,
+                               "use 'copy' (the updated shard every copy_interval steps)",
+                               cls=NotSupportedError)

@@ -1,0 +1,138 @@
+"""What this process keeps between groups: its own snapshots and its buddy's, by version.
+
+The keeper outlives the engine that filled it: a Ray worker's process survives a lost peer, its
+engine does not (the group it used is gone), and the next group's engine recovers from what the
+survivors' keepers hold. It is a process-wide object for that reason, and holds host tensors
+only, never the engine or a process group.
+
+Versions. A version is the optimizer step a snapshot was taken after. Each rank keeps its own
+snapshots and the ones its buddy sent, until a newer version is committed (every rank has sent
+and received it): then the older ones go. So at any moment the keepers together hold the last
+committed version of every rank, and possibly the next one, and `plan` picks the newest
+version that the survivors hold for every rank of the old group.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import threading
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+from .snapshot import Snapshot
+
+
+class Keeper:
+    """Snapshots by version: `own` (this rank's) and `held` (its buddy's)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.own: Dict[int, Snapshot] = {}
+        self.held: Dict[int, Snapshot] = {}
+        self.committed = -1
+        self.disk_step = -1  # newest checkpoint step this run saved or loaded (so memory is not older)
+        self.run: Optional[str] = None
+        self.inflight: Optional[cf.Future] = None  # the newest exchange (ring.py)
+        self._spare: Dict[str, Snapshot] = {}  # "own"/"held": a dropped snapshot, for its buffers
+
+    def start(self, run: Optional[str]) -> None:
+        """A new group of this run begins snapshotting; snapshots of another run are dropped."""
+        with self._lock:
+            self._switch(run)
+
+    def saw_disk(self, run: Optional[str], step: int) -> None:
+        """The run saved or loaded a checkpoint of `step`."""
+        with self._lock:
+            self._switch(run)
+            self.disk_step = max(self.disk_step, step)
+
+    def _switch(self, run: Optional[str]) -> None:
+        if run != self.run:
+            self.own.clear()
+            self.held.clear()
+            self._spare.clear()
+            self.committed, self.disk_step = -1, -1
+        self.run = run
+
+    def settle(self, timeout_s: float) -> None:
+        """Wait (bounded) for the last exchange of an earlier group to end, however it ends."""
+        fut, self.inflight = self.inflight, None
+        if fut is not None:
+            try:
+                fut.result(timeout=timeout_s)
+            except Exception:  # noqa: BLE001 - a failed exchange leaves its version uncommitted
+                pass
+
+    def put_own(self, snap: Snapshot) -> None:
+        with self._lock:
+            self.own[snap.step] = snap
+
+    def put_held(self, snap: Snapshot) -> None:
+        with self._lock:
+            self.held[snap.step] = snap
+
+    def commit(self, version: int) -> None:
+        """Every rank holds `version` of every shard: older versions can go (their buffers are
+        kept for the next snapshot: pinned host memory is slow to allocate)."""
+        with self._lock:
+            self.committed = max(self.committed, version)
+            for name, store in (("own", self.own), ("held", self.held)):
+                for v in [v for v in store if v < self.committed]:
+                    self._spare[name] = store.pop(v)
+
+    def recycled(self, store: str) -> Optional[Snapshot]:
+        """A snapshot that a newer commit made useless, whose buffers the next one can reuse."""
+        with self._lock:
+            return self._spare.pop(store, None)
+
+    def summary(self) -> dict:
+        """What a recovery needs to know of this process (sent to every new rank)."""
+        with self._lock:
+            return {"run": self.run, "disk_step": self.disk_step,
+                    "own": {v: (s.rank, s.world) for v, s in self.own.items()},
+                    "held": {v: (s.rank, s.world) for v, s in self.held.items()}}
+
+    def get(self, where: str, version: int) -> Snapshot:
+        with self._lock:
+            return (self.own if where == "own" else self.held)[version]
+
+    def clear(self) -> None:
+        self.start(None)
+
+
+KEEPER = Keeper()
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Where every shard of the old group's version `step` comes from: old rank -> (new rank
+    that holds it, "own" or "held")."""
+
+    step: int
+    world: int
+    sources: Dict[int, Tuple[int, str]]
+
+
+def plan(summaries: List[dict], run: Optional[str]) -> Tuple[Optional[Plan], str]:
+    """The newest version the survivors hold for every rank of the group that took it, or None
+    and why not. Pure: every rank computes the same plan from the same summaries."""
+    mine = [s for s in summaries if s.get("run") == run and run is not None]
+    if not mine:
+        return None, "no worker holds replicas of this run"
+    offers: Dict[Tuple[int, int], Dict[int, Tuple[int, str]]] = {}  # (version, world) -> old rank -> source
+    for new_rank, s in enumerate(summaries):
+        if s.get("run") != run:
+            continue
+        for where in ("own", "held"):  # own first: a rank's own copy is preferred to its buddy's
+            for version, (old_rank, world) in s[where].items():
+                offers.setdefault((version, world), {}).setdefault(old_rank, (new_rank, where))
+    complete = [(v, w) for (v, w), got in offers.items() if set(got) >= set(range(w))]
+    disk = max(s["disk_step"] for s in mine)
+    if not complete:
+        newest = max(v for v, _ in offers) if offers else -1
+        missing = sorted(set(range(max(w for _, w in offers))) - set(offers[max(offers)])) if offers else []
+        return None, (f"the replicas of step {newest} lack rank(s) {missing}: a rank and its buddy "
+                      "were lost together")
+    version, world = max(complete)
+    if version < disk:
+        return None, f"the replicas (step {version}) are older than the newest checkpoint (step {disk})"
+    return Plan(version, world, {r: offers[(version, world)][r] for r in range(world)}), "ok"
