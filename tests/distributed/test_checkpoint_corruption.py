@@ -181,8 +181,9 @@ def dies_mid_save(rank: int, world: int, root: str, victim: int, out: str) -> No
 def test_a_rank_killed_mid_save_is_noticed_in_seconds(tmp_path, victim):
     out = tmp_path / "survivor.json"
     ctx = mp.start_processes(spawn._entry, args=(dies_mid_save, 2, spawn.free_port(),
-                                                 (str(tmp_path / "ckpt"), victim, str(out)), 60, "gloo"),
-                             nprocs=2, join=False, start_method="spawn")
+                                                 (str(tmp_path / "ckpt"), victim, str(out)), 60, "gloo",
+                                                 spawn.caller_state()),
+                             nprocs=2, join=False, start_method=spawn.START_METHOD)
     survivor, dead = ctx.processes[1 - victim], ctx.processes[victim]
     survivor.join(90)
     alive = survivor.is_alive()

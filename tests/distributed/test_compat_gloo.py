@@ -13,6 +13,7 @@ import torch
 import torch.multiprocessing as mp
 import torch.nn as nn
 
+from tests.distributed import spawn
 from tests.distributed.spawn import free_port
 
 
@@ -83,8 +84,8 @@ def test_getting_started_loop_two_ranks(tmp_path: Path) -> None:
         "optimizer": {"type": "Adam", "params": {"lr": 0.01, "torch_adam": True, "adam_w_mode": False}},
         "zero_optimization": {"stage": 2, "cpu_offload": False}, "prescale_gradients": False,
         "wall_clock_breakdown": False}))
-    mp.start_processes(_ranks, args=(2, free_port(), str(tmp_path)), nprocs=2, start_method="spawn",
-                       join=True)
+    mp.start_processes(_ranks, args=(2, free_port(), str(tmp_path)), nprocs=2,
+                       start_method=spawn.START_METHOD, join=True)
 
 
 def _pipeline_rank(rank: int, world: int, out: str) -> None:
