@@ -1,6 +1,11 @@
 """Failure recovery: hybrid_ray's ElasticTrainer against Ray Train's TorchTrainer, one invocation.
 
     python jobs/bench_recovery.py            # 2 CPU workers, the 'small' GPT, rank 1 exits at step 13
+    python jobs/bench_recovery.py --out benchmarks/runs/<date>-recovery-cpu.jsonl   # rows as JSON too
+
+Four ways, the same fault: ours restarting from its newest checkpoint; ours with buddy replicas
+(fault_tolerance.replicas: the lost shard comes from the survivor's memory); the same with one
+warm spare (a started actor, imports done, replaces the lost one); Ray Train.
 
 Both run the same training function (the 'small' GPT from hybrid_ray.models with our engine at
 ZeRO-2, fp32, a fixed global batch, a checkpoint every 5 steps) on a local Ray with two CPU
@@ -38,7 +43,7 @@ def _log(path: str, **rec) -> None:
         f.write(json.dumps(rec) + "\n")
 
 
-def _engine(topology):
+def _engine(topology, replicas: bool = False):
     import torch
     import hybrid_ray
     from hybrid_ray.models import GPT, GPT_SIZES
@@ -46,7 +51,8 @@ def _engine(topology):
     world = topology.world_size
     cfg = {"train_batch_size": BATCH, "train_micro_batch_size_per_gpu": BATCH // world,
            "zero_optimization": {"stage": 2}, "gradient_clipping": 1.0,
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+           "fault_tolerance": {"replicas": int(replicas)}}
     return hybrid_ray.initialize(GPT(GPT_SIZES["small"]), config=cfg, topology=topology)[0]
 
 
@@ -78,8 +84,8 @@ def _steps(engine, rank, world, events, fault_marker, save):
 
 
 # ---- ours ----------------------------------------------------------------------------
-def ours_fn(ctx, events: str, marker: str):
-    engine = _engine(ctx.topology)
+def ours_fn(ctx, events: str, marker: str, replicas: bool):
+    engine = _engine(ctx.topology, replicas)
     ckpt = os.path.join(ctx.storage_path, ctx.run_name, "checkpoints")
     engine.load_checkpoint(ckpt)
     _log(events, kind="start", step=engine.global_steps, rank=ctx.rank)
@@ -91,14 +97,14 @@ def ours_fn(ctx, events: str, marker: str):
     engine.close()
 
 
-def run_ours(work: str) -> Dict[str, float]:
+def run_ours(work: str, name: str = "ours", replicas: bool = False, spares: int = 0) -> Dict[str, float]:
     from hybrid_ray.cluster import ElasticTrainer, FailureConfig, ScalingConfig
-    events, marker = os.path.join(work, "ours.jsonl"), os.path.join(work, "ours.fault")
+    events, marker = os.path.join(work, f"{name}.jsonl"), os.path.join(work, f"{name}.fault")
     seen: List[tuple] = []
-    trainer = ElasticTrainer(lambda ctx: ours_fn(ctx, events, marker),
-                             ScalingConfig(min_workers=2, max_workers=2),
+    trainer = ElasticTrainer(lambda ctx: ours_fn(ctx, events, marker, replicas),
+                             ScalingConfig(min_workers=2, max_workers=2, spare_workers=spares),
                              FailureConfig(max_failures=1, collective_timeout_s=30.0),
-                             storage_path=os.path.join(work, "ours"), run_name="bench",
+                             storage_path=os.path.join(work, name), run_name="bench",
                              on_event=lambda msg: seen.append((time.time(), msg)))
     t0 = time.time()
     trainer.fit()
@@ -163,17 +169,30 @@ def _measure(events: str, total: float, detected) -> Dict[str, float]:
 
 
 def main() -> None:
-    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=None, help="append one JSON row per way to this file")
+    p.add_argument("--skip-ray-train", action="store_true", help="leave Ray Train's row out")
+    args = p.parse_args()
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}})
+    from hybrid_ray.cluster.local import start_local
+    start_local(num_cpus=4, include_dashboard=False, log_to_driver=False,  # all on 127.0.0.1
+                runtime_env={"env_vars": {"PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}})
     work = tempfile.mkdtemp(prefix="hybrid_ray_recovery_")
-    rows = {"hybrid_ray ElasticTrainer": run_ours(work), "Ray Train TorchTrainer": run_ray_train(work)}
+    rows = {"hybrid_ray, checkpoint": run_ours(work),
+            "hybrid_ray, replicas": run_ours(work, "replicas", replicas=True),
+            "hybrid_ray, replicas + spare": run_ours(work, "spare", replicas=True, spares=1)}
+    if not args.skip_ray_train:
+        rows["Ray Train TorchTrainer"] = run_ray_train(work)
     ray.shutdown()
-    print(f"\n{'':<28}{'detection s':>12}{'restart s':>11}{'recovery s':>12}{'steps lost':>12}{'total s':>9}")
+    if args.out:
+        with open(args.out, "a") as f:
+            for name, r in rows.items():
+                f.write(json.dumps({"impl": name, "workers": 2, "model": "small", "device": "cpu",
+                                    "fault_step": FAULT_STEP, "checkpoint_every": EVERY, **r}) + "\n")
+    print(f"\n{'':<30}{'detection s':>12}{'restart s':>11}{'recovery s':>12}{'steps lost':>12}{'total s':>9}")
     for name, r in rows.items():
-        print(f"{name:<28}{r['detection_s']:>12}{r['restart_s']:>11}{r['recovery_s']:>12}"
+        print(f"{name:<30}{r['detection_s']:>12}{r['restart_s']:>11}{r['recovery_s']:>12}"
               f"{r['steps_lost']:>12}{r['total_s']:>9}")
     print(f"(2 CPU workers, 'small' GPT, checkpoint every {EVERY} steps, rank 1 exits at step {FAULT_STEP}; "
           f"Ray Train's 'detection' is when its new workers start)")

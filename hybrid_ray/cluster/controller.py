@@ -12,7 +12,8 @@ injected (group.py's WorkerGroup on Ray, a dummy in tests), so nothing here impo
 
 Every (re)formation is a new generation: the surviving actors stay (their processes are not
 restarted), a fresh process group is formed at the new size, and the training function runs
-again on every worker, resuming from the newest committed checkpoint.
+again on every worker, resuming from the newest committed checkpoint (or, with the engine's
+buddy replicas, from the state the survivors hold in memory).
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 from hybrid_ray.config.cluster import FailureConfig, ScalingConfig
 
 from .policy import Decision, FailurePolicy, ScalingPolicy, Watch, judge
-from .records import Metrics, Record
+from .records import Event, Metrics, Record
 from .status import Member, PollStatus, replica_mates
 
 log = logging.getLogger("hybrid_ray.cluster")
@@ -163,6 +164,9 @@ class Controller:
             if len(placed) < missing:
                 self._event(f"{len(placed)} of {missing} new worker(s) placed; going on with "
                             f"{len(self.group.members)}")
+            warm = sum(m.spare for m in placed)
+            if warm:
+                self._event(f"{warm} warm spare(s) joined")
         elif missing < 0:
             self.group.remove(self.group.members[state.size:])
         return self._start_generation()
@@ -187,6 +191,7 @@ class Controller:
         if dead:
             return self._teardown(dead, "worker lost while starting")
         self._monitor_nodes()
+        self.group.keep_spares(self.fn)  # after the group: its members are placed first
         now = self.clock()
         self._watch = Watch(world, last_progress=now, next_grow_check=now + self.failure.grow_check_interval_s)
         return Running(world)
@@ -249,8 +254,8 @@ class Controller:
         step = self._wait_for(lambda: self.scaling_policy.after_loss(survivors, self.group.can_add()))
         if step.size is None:
             return Errored(f"{step.reason}; checkpoints in {self.storage_path} are intact")
-        self._event(f"{state.reason}: {lost} lost; {step.reason}, resuming from the newest "
-                    f"checkpoint (last step seen {self._last_step})")
+        self._event(f"{state.reason}: {lost} lost; {step.reason}, resuming (last step seen "
+                    f"{self._last_step})")
         return Scheduling(step.size)
 
     def _resize(self, state: Resizing) -> State:
@@ -288,9 +293,13 @@ class Controller:
 
     # ---- news for the user -------------------------------------------------------------------
     def _forward(self, status: PollStatus) -> None:
-        """Every record to on_record as it came; Metrics also into the Result."""
+        """Every record to on_record as it came; Metrics also into the Result; a worker's Event
+        joins the driver's events (on_event)."""
         self._last_step = max(self._last_step, status.newest_step)
         for rec in status.records():
+            if isinstance(rec, Event):  # the run's events, with the driver's own
+                self._event(rec.text)
+                continue
             if isinstance(rec, Metrics):
                 self.result.records.append(rec)
             if self._on_record:

@@ -28,13 +28,61 @@ class WorkerGroup:
         self._created = 0
         self._actor_cls = ray.remote(Worker)
         self._placement_groups: Dict[int, Any] = {}  # replica -> its placement group (replica_size > 1)
+        self.spares: List[Member] = []  # started and warming or waiting (keep_spares)
+        self._warming: Dict[int, Any] = {}  # spare index -> its warm() reply
 
     # ---- room in the cluster -----------------------------------------------------------
     def can_add(self) -> int:
-        """How many more workers the cluster's free resources could hold now (cluster-wide)."""
+        """How many more workers the cluster could hold now (cluster-wide): its free resources,
+        plus the spares, ready or warming, that can join."""
+        return self._room() + len(self.spares)
+
+    def _room(self) -> int:
         free = ray.available_resources()
         fits = [math.floor(free.get(k, 0.0) / v + 1e-9) for k, v in self.resources.items() if v > 0]
         return max(0, min(fits)) if fits else 0
+
+    # ---- warm spares -------------------------------------------------------------------
+    def keep_spares(self, fn: Any) -> None:
+        """Start actors (without waiting) until scaling.spare_workers stand beside the group,
+        each warming up with the training function `fn`; no more than the cluster has room for."""
+        want = min(self.scaling.spare_workers - len(self.spares), self._room())
+        if want <= 0:
+            return
+        fn_ref = ray.put(fn)
+        for _ in range(want):
+            m = self._start_replica(1, 0.0)[0]
+            self._warming[m.index] = (m.handle.info.remote(), m.handle.warm.remote(fn_ref))
+            self.spares.append(m)
+
+    def _ready_spares(self, timeout_s: float = 0.0) -> List[Member]:
+        """Spares that answered (info and warm-up done) within timeout_s; one that died is
+        dropped. A spare still warming is further along than a new actor would be: worth the wait."""
+        pending = [ref for m in self.spares for ref in self._warming[m.index]]
+        if pending:
+            ray.wait(pending, num_returns=len(pending), timeout=timeout_s)
+        ready = []
+        for m in list(self.spares):
+            info_ref, warm_ref = self._warming[m.index]
+            done, _ = ray.wait([info_ref, warm_ref], num_returns=2, timeout=0)
+            if len(done) < 2:
+                continue
+            try:
+                m.info = ray.get(info_ref)
+                ray.get(warm_ref)
+                ready.append(m)
+            except ray.exceptions.RayError:
+                self.spares.remove(m)
+                self._warming.pop(m.index, None)
+        return ready
+
+    def _take_spares(self, count: int, timeout_s: float) -> List[Member]:
+        taken = self._ready_spares(timeout_s if self.spares else 0.0)[:count]
+        for m in taken:
+            self.spares.remove(m)
+            self._warming.pop(m.index, None)
+            m.spare = True
+        return taken
 
     # ---- membership --------------------------------------------------------------------
     def add(self, count: int, timeout_s: float) -> List[Member]:
@@ -42,6 +90,9 @@ class WorkerGroup:
         each, packed on one node, so a replica's tensor-parallel traffic stays on the node);
         keep those placed and answering within timeout_s, a replica only whole."""
         size = self.scaling.replica_size
+        spares = self._take_spares(count, timeout_s) if size == 1 else []
+        self.members.extend(spares)
+        count -= len(spares)
         fresh: List[Member] = []
         for _ in range(count // size):
             fresh.extend(self._start_replica(size, timeout_s))
@@ -59,7 +110,7 @@ class WorkerGroup:
         placed = [m for m in fresh if m.replica in whole]
         self.members.extend(placed)
         self.remove([m for m in fresh if m.replica not in whole], listed=False)  # never placed, or died on start
-        return placed
+        return spares + placed
 
     def _start_replica(self, size: int, timeout_s: float) -> List[Member]:
         res = dict(self.resources)
@@ -104,6 +155,8 @@ class WorkerGroup:
 
     def shutdown(self) -> None:
         self.remove(list(self.members))
+        self.remove(self.spares, listed=False)
+        self.spares.clear()
 
     # ---- one generation ------------------------------------------------------------------
     def rendezvous_port(self, member: Member) -> Optional[int]:

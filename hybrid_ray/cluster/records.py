@@ -114,6 +114,18 @@ class Interval(Record):
         return {"step": self.step, **self.metrics()}
 
 
+@dataclass(frozen=True)
+class Event(Record):
+    """Something a worker wants the run's events to say (how a group resumed, say)."""
+
+    kind: ClassVar[str] = "event"
+    text: str
+    step: Optional[int] = None
+
+    def to_json(self) -> Dict[str, Any]:
+        return {"step": self.step, "event": self.text}
+
+
 def as_record(obj: Any, world_size: Optional[int] = None) -> Record:
     """What `ctx.report` accepts: a mapping as Metrics of a group of `world_size`, a Metrics
     record with that world_size added where it has none, any other Record as it is."""

@@ -31,6 +31,7 @@ class Member:
     info: Dict[str, Any] = field(default_factory=dict)
     acked: int = 0  # sequence number of the newest record received from it (Worker.poll)
     replica: int = -1  # the model replica (placement group) it belongs to; -1: a replica of its own
+    spare: bool = False  # started ahead as a warm spare (group.keep_spares) before it joined
 
     def __post_init__(self) -> None:
         if self.replica < 0:

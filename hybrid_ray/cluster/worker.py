@@ -62,6 +62,14 @@ class Worker:
             s.bind((ray.util.get_node_ip_address(), 0))
             return s.getsockname()[1]
 
+    def warm(self, fn: Callable[[WorkerContext], Any]) -> bool:
+        """A spare's start: the training function arrives unpickled (its imports done here);
+        its own `warm()`, where it has one, prepares what else it can ahead (a device context)."""
+        warm = getattr(fn, "warm", None)
+        if callable(warm):
+            warm()
+        return True
+
     # ---- a training run ---------------------------------------------------------------
     def prepare(self, fn: Callable[[WorkerContext], Any], spec: Dict[str, Any]) -> None:
         """Take the training function and this worker's place in the next group; `launch`

@@ -35,6 +35,12 @@ class ScalingConfig:
     group is always whole replicas, each placed on one node (a placement group), and a lost
     worker takes its replica's other workers out with it."""
 
+    spare_workers: int = checked(0, ge=0)
+    """Actors started ahead and kept waiting beside the group, their imports done: a lost worker
+    is replaced from them at once instead of by a cold start, and they are started again in the
+    background. They hold their resources while they wait (one model replica each needs
+    replica_size 1)."""
+
     def __post_init__(self) -> None:
         check_fields(self, "scaling")
 
@@ -47,6 +53,9 @@ class ScalingConfig:
             if getattr(self, key) % self.replica_size:
                 raise config_error(f"{path}.{key}", "not whole replicas", getattr(self, key),
                                    f"allowed: a multiple of replica_size ({self.replica_size})")
+        if self.spare_workers and self.replica_size > 1:
+            raise config_error(f"{path}.spare_workers", "needs replica_size 1", self.spare_workers,
+                               "set it to 0 for groups of whole replicas (replica_size > 1)")
         for key, value in (self.resources_per_worker or {}).items():
             if value < 0:
                 raise config_error(f"{path}.resources_per_worker.{key}", "out of range",

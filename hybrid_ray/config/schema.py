@@ -124,6 +124,11 @@ class Config:
                                "communication_data_type unset or equal to it")
 
     def _validate_replicas(self) -> None:
+        split = self.tensor_model_parallel_size > 1 or self.pipeline_model_parallel_size > 1
+        if self.fault_tolerance.spare_workers and split:
+            raise config_error("fault_tolerance.spare_workers", "not supported with tensor or pipeline "
+                               "parallelism yet", self.fault_tolerance.spare_workers, "set it to 0",
+                               cls=NotSupportedError)
         if not self.fault_tolerance.replicas:
             return
         if self.tensor_model_parallel_size > 1 or self.pipeline_model_parallel_size > 1:

@@ -61,7 +61,8 @@ def validated(raw: Mapping[str, Any], min_workers: int, max_workers: int, run_na
     raw = place(raw, storage, run_name)
     job = load_job(raw)
     scaling = ScalingConfig(min_workers=min_workers, max_workers=max_workers, use_gpu=bool(use_gpu),
-                            replica_size=replica_size(job))
+                            replica_size=replica_size(job),
+                            spare_workers=job.engine.fault_tolerance.spare_workers)
     failure = FailureConfig(max_failures=max_failures)
     job = driver_job(raw, min_workers, max_workers)
     ensure_prepared(job.data.corpus, job.data.path, job.data.prepare)

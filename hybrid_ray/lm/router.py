@@ -16,7 +16,8 @@ from typing import Any, Callable, ContextManager, Dict, List, Mapping, Optional
 
 from hybrid_ray.cluster.compression_driver import CompressionCoordinator
 from hybrid_ray.cluster.progress import ProgressReporter
-from hybrid_ray.cluster.records import Interval, LinkProbe, Metrics, Params, Record, SystemSample, Text
+from hybrid_ray.cluster.records import (Event, Interval, LinkProbe, Metrics, Params, Record,
+                                        SystemSample, Text)
 from hybrid_ray.config.loader import to_plain
 from hybrid_ray.config.paths import is_uri
 from hybrid_ray.engine.checkpoint.offline import export
@@ -49,6 +50,7 @@ class RecordRouter:
             SystemSample: lambda rec: tracker.log_system_metrics(rec.values, rec.node, rec.timestamp_ms),
             LinkProbe: coordinator.on_link if coordinator is not None else lambda rec: None,
             Interval: self._interval,
+            Event: lambda rec: self.event(rec.text),  # under torchrun (a Ray driver takes them itself)
         }
 
     def __call__(self, rec: Record) -> None:

@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import hybrid_ray
-from hybrid_ray.cluster.records import Metrics, Record, Text
+from hybrid_ray.cluster.records import Event, Metrics, Record, Text
 from hybrid_ray.config.paths import is_uri
 from hybrid_ray.data import ResumableLoader, TokenDataset, ensure_prepared, load_tokenizer, open_split
 from hybrid_ray.data.tokenizer import Tokenizer
@@ -220,6 +220,7 @@ def resume(run: Run, job: Job, ctx: RunContext, log: RunLog) -> None:
     if ckpt is None:
         raise ValueError("--resume: train.out_dir is null, so there are no checkpoints to resume from")
     path, _ = run.engine.load_checkpoint(ckpt)
+    _say_how_it_resumed(run, log)
     if path is None:  # the launcher (torchrun's, or the Ray driver) has said so already
         return
     step, pos = run.engine.global_steps, run.loader.state_dict()
@@ -229,3 +230,17 @@ def resume(run: Run, job: Job, ctx: RunContext, log: RunLog) -> None:
         return
     log.say(f"resume: {path} at step {step}; data epoch {pos['epoch']}, "
             f"sample {pos['position']} of {run.loader.sampler.samples_per_epoch}")
+
+
+def _say_how_it_resumed(run: Run, log: RunLog) -> None:
+    """With replicas in memory, the run's events say whether they carried the group over (and
+    in how long), or why the checkpoint was read instead."""
+    replicas = run.engine.replicas
+    rec = replicas.last_recovery if replicas is not None else None
+    if rec is None or (rec["source"] == "disk" and "no worker holds" in rec["reason"]):
+        return  # a first start: there was nothing to recover
+    if rec["source"] == "memory":
+        text = f"resumed at step {rec['step']} from the replicas in memory ({rec['seconds']:.2f} s, no disk read)"
+    else:
+        text = f"replicas in memory not used ({rec['reason']}): resumed from the newest checkpoint"
+    log.send(Event(text, run.engine.global_steps))

@@ -22,6 +22,11 @@ class LMTrainFn:
 
     raw: Dict[str, Any]
 
+    def warm(self) -> None:
+        """A spare's preparation while it waits (the imports came with unpickling this)."""
+        if torch.cuda.is_available():
+            torch.cuda.init()  # the device context: seconds a replacement need not pay
+
     def __call__(self, ctx: WorkerContext):
         # The worker set its thread count from its CPU resources: keep it (the loop would
         # otherwise split the machine's cores as if this were the only process on it).

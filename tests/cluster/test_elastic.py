@@ -22,10 +22,11 @@ FAST = dict(collective_timeout_s=8.0, heartbeat_timeout_s=30.0, start_timeout_s=
             grow_check_interval_s=1.0)
 
 
-def fit(tmp_path, name: str, fault=None, min_workers=2, max_workers=2, max_failures=2, **kw):
+def fit(tmp_path, name: str, fault=None, min_workers=2, max_workers=2, max_failures=2, spares=0, **kw):
     fn = lambda ctx: trainfns.train_mlp(ctx, steps=STEPS, fault=fault, **kw)  # noqa: E731
     trainer = ElasticTrainer(fn, ScalingConfig(min_workers=min_workers, max_workers=max_workers,
-                                               resources_per_worker=SLOT),
+                                               resources_per_worker=SLOT if not spares else {"CPU": 1},
+                                               spare_workers=spares),
                              FailureConfig(max_failures=max_failures, **FAST),
                              storage_path=str(tmp_path), run_name=name)
     return trainer, trainer.fit
@@ -50,6 +51,16 @@ def test_two_ray_workers_equal_the_plain_process_group_run(uninterrupted, tmp_pa
     assert uninterrupted.world_sizes == [2] and uninterrupted.failures == 0
     assert [r["step"] for r in uninterrupted.records] == list(range(1, STEPS + 1))
     assert_bitwise(uninterrupted.value, torch.load(out, weights_only=True))
+
+
+def test_a_warm_spare_replaces_a_lost_worker_and_is_started_again(uninterrupted, tmp_path) -> None:
+    # The spare takes a CPU beside the two workers (not a 'slot': the session has two).
+    fault = {"generation": 0, "rank": 1, "step": 5, "kind": "exit"}
+    trainer, run = fit(tmp_path, "spare", fault=fault, spares=1)
+    result = run()
+    assert result.failures == 1 and result.world_sizes == [2, 2], result.events
+    assert "1 warm spare(s) joined" in result.events, result.events
+    assert_bitwise(result.value, uninterrupted.value)
 
 
 def test_worker_exit_is_replaced_and_run_is_bitwise_equal(uninterrupted, tmp_path) -> None:

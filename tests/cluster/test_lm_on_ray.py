@@ -40,9 +40,10 @@ def data(tmp_path_factory) -> Path:
     return path
 
 
-def fit(raw: dict, kill_at: int = None):
+def fit(raw: dict, kill_at: int = None, spares: int = 0, min_workers: int = 1):
     out = raw["train"]["out_dir"]
-    trainer = ElasticTrainer(LMTrainFn(raw), ScalingConfig(min_workers=1, max_workers=2),
+    scaling = ScalingConfig(min_workers=min_workers, max_workers=2, spare_workers=spares)
+    trainer = ElasticTrainer(LMTrainFn(raw), scaling,
                              FailureConfig(max_failures=2, collective_timeout_s=10.0),
                              storage_path=os.path.dirname(out), run_name=os.path.basename(out))
     if kill_at is None:
