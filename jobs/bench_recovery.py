@@ -67,12 +67,14 @@ def _batch(step: int, rank: int, world: int):
     return x[:, :-1], x[:, 1:]
 
 
-def _steps(engine, rank, world, events, fault_marker, save):
-    """The shared loop: steps to STEPS, a checkpoint every EVERY steps, one fault."""
+def _steps(engine, rank, world, events, fault_marker, save, lose=(1,)):
+    """The shared loop: steps to STEPS, a checkpoint every EVERY steps, one fault: the ranks in
+    `lose` exit at FAULT_STEP (once each)."""
+    marker = f"{fault_marker}.rank{rank}"
     while engine.global_steps < STEPS:
         step = engine.global_steps
-        if rank == 1 and step == FAULT_STEP and not os.path.exists(fault_marker):
-            open(fault_marker, "w").close()
+        if rank in lose and step == FAULT_STEP and not os.path.exists(marker):
+            open(marker, "w").close()
             _log(events, kind="fault", step=step, rank=rank)
             os._exit(1)
         x, y = _batch(step, rank, world)
@@ -84,25 +86,27 @@ def _steps(engine, rank, world, events, fault_marker, save):
 
 
 # ---- ours ----------------------------------------------------------------------------
-def ours_fn(ctx, events: str, marker: str, replicas: bool):
+def ours_fn(ctx, events: str, marker: str, replicas: bool, lose: tuple):
     engine = _engine(ctx.topology, replicas)
     ckpt = os.path.join(ctx.storage_path, ctx.run_name, "checkpoints")
-    engine.load_checkpoint(ckpt)
-    _log(events, kind="start", step=engine.global_steps, rank=ctx.rank)
+    path, _ = engine.load_checkpoint(ckpt)
+    source = None if path is None else "memory" if path.startswith("memory:") else "disk"
+    _log(events, kind="start", step=engine.global_steps, rank=ctx.rank, source=source)
 
     def save(e):
         e.save_checkpoint(ckpt)
         ctx.step_done(e.global_steps)
-    _steps(engine, ctx.rank, ctx.world_size, events, marker, save)
+    _steps(engine, ctx.rank, ctx.world_size, events, marker, save, lose)
     engine.close()
 
 
-def run_ours(work: str, name: str = "ours", replicas: bool = False, spares: int = 0) -> Dict[str, float]:
+def run_ours(work: str, name: str = "ours", replicas: bool = False, spares: int = 0,
+             workers: int = 2, lose: tuple = (1,)) -> Dict[str, float]:
     from hybrid_ray.cluster import ElasticTrainer, FailureConfig, ScalingConfig
     events, marker = os.path.join(work, f"{name}.jsonl"), os.path.join(work, f"{name}.fault")
     seen: List[tuple] = []
-    trainer = ElasticTrainer(lambda ctx: ours_fn(ctx, events, marker, replicas),
-                             ScalingConfig(min_workers=2, max_workers=2, spare_workers=spares),
+    trainer = ElasticTrainer(lambda ctx: ours_fn(ctx, events, marker, replicas, lose),
+                             ScalingConfig(min_workers=workers, max_workers=workers, spare_workers=spares),
                              FailureConfig(max_failures=1, collective_timeout_s=30.0),
                              storage_path=os.path.join(work, name), run_name="bench",
                              on_event=lambda msg: seen.append((time.time(), msg)))
@@ -158,43 +162,55 @@ def run_ray_train(work: str) -> Dict[str, float]:
 def _measure(events: str, total: float, detected) -> Dict[str, float]:
     recs = [json.loads(line) for line in open(events)]
     fault = next(r for r in recs if r["kind"] == "fault")
-    before = max(r["step"] for r in recs if r["kind"] == "step" and r["t"] < fault["t"])
-    restart = min(r["t"] for r in recs if r["kind"] == "start" and r["t"] > fault["t"])
-    resumed = next(r["step"] for r in recs if r["kind"] == "start" and r["t"] > fault["t"])
-    first = min(r["t"] for r in recs if r["kind"] == "step" and r["t"] > fault["t"])
+    start = next(r for r in recs if r["kind"] == "start" and r["t"] > fault["t"])
+    restart, resumed = start["t"], start["step"]
+    # A survivor can finish the step the victim had finished just after the fault's record:
+    # count steps by the restart, not by the fault's timestamp.
+    before = max(r["step"] for r in recs if r["kind"] == "step" and r["t"] < restart)
+    first = min(r["t"] for r in recs if r["kind"] == "step" and r["t"] > restart)
     return {"detection_s": round((detected or restart) - fault["t"], 2),
             "restart_s": round(restart - fault["t"], 2),
             "recovery_s": round(first - fault["t"], 2),
-            "steps_lost": before - resumed, "total_s": round(total, 1)}
+            "steps_lost": before - resumed, "total_s": round(total, 1),
+            "resumed_from": start.get("source") or "disk"}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=None, help="append one JSON row per way to this file")
     p.add_argument("--skip-ray-train", action="store_true", help="leave Ray Train's row out")
+    p.add_argument("--workers", type=int, default=2, help="workers (2 or 4; Ray Train runs at 2 only)")
+    p.add_argument("--lose", default="1", help="ranks that exit together, e.g. 1,3 (buddies apart: "
+                   "rank r's copy lives on r+1) or 1,2 (a rank and its buddy)")
     args = p.parse_args()
+    lose = tuple(int(r) for r in args.lose.split(","))
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
     from hybrid_ray.cluster.local import start_local
-    start_local(num_cpus=4, include_dashboard=False, log_to_driver=False,  # all on 127.0.0.1
+    start_local(num_cpus=args.workers + 2 * len(lose), include_dashboard=False, log_to_driver=False,  # all on 127.0.0.1
                 runtime_env={"env_vars": {"PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}})
     work = tempfile.mkdtemp(prefix="hybrid_ray_recovery_")
-    rows = {"hybrid_ray, checkpoint": run_ours(work),
-            "hybrid_ray, replicas": run_ours(work, "replicas", replicas=True),
-            "hybrid_ray, replicas + spare": run_ours(work, "spare", replicas=True, spares=1)}
-    if not args.skip_ray_train:
+    n = dict(workers=args.workers, lose=lose)
+    rows = {"hybrid_ray, checkpoint": run_ours(work, **n),
+            "hybrid_ray, replicas": run_ours(work, "replicas", replicas=True, **n),
+            f"hybrid_ray, replicas + {len(lose)} spare(s)": run_ours(work, "spare", replicas=True,
+                                                                      spares=len(lose), **n)}
+    if not args.skip_ray_train and args.workers == 2 and lose == (1,):
         rows["Ray Train TorchTrainer"] = run_ray_train(work)
     ray.shutdown()
     if args.out:
         with open(args.out, "a") as f:
             for name, r in rows.items():
-                f.write(json.dumps({"impl": name, "workers": 2, "model": "small", "device": "cpu",
+                f.write(json.dumps({"impl": name, "workers": args.workers, "lost_ranks": list(lose),
+                                    "model": "small", "device": "cpu",
                                     "fault_step": FAULT_STEP, "checkpoint_every": EVERY, **r}) + "\n")
-    print(f"\n{'':<30}{'detection s':>12}{'restart s':>11}{'recovery s':>12}{'steps lost':>12}{'total s':>9}")
+    print(f"\n{'':<30}{'detection s':>12}{'restart s':>11}{'recovery s':>12}{'steps lost':>12}{'total s':>9}"
+          "  resumed from")
     for name, r in rows.items():
         print(f"{name:<30}{r['detection_s']:>12}{r['restart_s']:>11}{r['recovery_s']:>12}"
-              f"{r['steps_lost']:>12}{r['total_s']:>9}")
-    print(f"(2 CPU workers, 'small' GPT, checkpoint every {EVERY} steps, rank 1 exits at step {FAULT_STEP}; "
+              f"{r['steps_lost']:>12}{r['total_s']:>9}  {r['resumed_from']}")
+    print(f"({args.workers} CPU workers, 'small' GPT, checkpoint every {EVERY} steps, rank(s) {args.lose} "
+          f"exit at step {FAULT_STEP}; "
           f"Ray Train's 'detection' is when its new workers start)")
 
 

@@ -53,6 +53,13 @@ SUITES: Dict[str, List[dict]] = {
     # The pipeline path at one stage (PipelineModule + train_batch) costs nothing over the engine.
     "pipe-gpu1": [dict(impl="torch"), dict(impl="hybrid", stage=1), dict(impl="hybrid-pipe", stage=1),
                   dict(impl="hybrid", stage=2), dict(impl="hybrid-pipe", stage=2)],
+    # Buddy replicas (fault_tolerance, mode copy): step time with the shard copied to host memory
+    # every step / every 4 / 16 steps, against none. At one GPU there is no buddy to send to:
+    # this times the device-to-host copy; on the CPU suite two ranks also exchange their copies.
+    "replicas-gpu1": [dict(impl="hybrid", stage=2), dict(impl="hybrid", stage=2, replicas=1),
+                      dict(impl="hybrid", stage=2, replicas=4), dict(impl="hybrid", stage=2, replicas=16)],
+    "replicas-cpu": [dict(impl="hybrid", stage=2), dict(impl="hybrid", stage=2, replicas=1),
+                     dict(impl="hybrid", stage=2, replicas=4)],
     # Optimizer offload (1 GPU): the model still fits without offload, so plain torch is the ceiling.
     "offload1": [dict(impl="torch", model="1.3b"), dict(impl="hybrid", stage=2, offload=True, model="1.3b"),
                  dict(impl="hybrid", stage=2, offload=True, delayed=True, model="1.3b"),
@@ -79,6 +86,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--bucket", type=float, default=5e7, help="hybrid reduce_bucket_size (elements)")
     p.add_argument("--offload", action="store_true", help="hybrid/deepspeed: optimizer offload to the CPU")
+    p.add_argument("--replicas", type=int, default=0,
+                   help="hybrid: buddy replicas, a copy every this many steps (0: none)")
     p.add_argument("--delayed-update", action="store_true",
                    help="hybrid with --offload: delayed parameter update (one-step-stale parameters)")
     p.add_argument("--norm-activations", choices=["fp32", "half"], default=None,
@@ -142,6 +151,8 @@ def _hybrid_step(a: argparse.Namespace, model: nn.Module) -> Callable:
         cfg[a.dtype] = {"enabled": True}
     if a.norm_activations:
         cfg["precision"] = {"norm_activations": a.norm_activations}
+    if a.replicas:
+        cfg["fault_tolerance"] = {"replicas": 1, "copy_interval": a.replicas}
     engine, _, _, _ = hybrid_ray.initialize(model, config=cfg)
     if a.impl == "hybrid-pipe":
         # train_batch over one micro-batch (gradient_accumulation_steps 1): the loss is the
@@ -233,7 +244,8 @@ def measure(a: argparse.Namespace) -> None:
                params_m=round(n_params / 1e6, 1), step_ms=round(dt * 1e3, 2), tok_s_gpu=round(tok / dt),
                mfu=round(flops_tok * tok / dt / a.peak, 4) if cuda else None,
                peak_mem_gb=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
-               loss=round(loss.item(), 3), norm_activations=a.norm_activations if sharded else None)
+               loss=round(loss.item(), 3), norm_activations=a.norm_activations if sharded else None,
+               replicas=a.replicas if a.impl == "hybrid" else 0)
     if rank == 0:
         print("RESULT " + json.dumps(res), flush=True)
     dist.destroy_process_group()
@@ -269,7 +281,7 @@ def _sync(cuda: bool) -> None:
 
 # ---- a suite: every implementation, one after the other --------------------------------
 def run_suite(a: argparse.Namespace) -> None:
-    gpu = a.suite != "cpu"
+    gpu = not a.suite.endswith("cpu")  # cpu, replicas-cpu: two gloo ranks on this machine
     count = re.search(r"(?:gpu|offload)(\d+)", a.suite)  # gpu2, zero3-gpu2-1.3b, offload1
     nproc = a.nproc or ((int(count.group(1)) if count else 1) if gpu else 2)
     results = []
@@ -292,6 +304,7 @@ def _launch(a: argparse.Namespace, spec: dict, nproc: int, gpu: bool) -> Optiona
     args = ["--measure", "--impl", spec["impl"], "--stage", str(spec.get("stage", 1)),
             *(["--offload"] if spec.get("offload") else []),
             *(["--delayed-update"] if spec.get("delayed") else []),
+            "--replicas", str(spec.get("replicas", 0)),
             "--dtype", a.dtype or ("bf16" if gpu else "fp32"), "--mbs", str(a.mbs or (8 if gpu else 4)),
             "--steps", str(a.steps or (30 if gpu else 10)), "--warmup", str(a.warmup or (8 if gpu else 3)),
             "--bucket", str(a.bucket), "--peak", str(a.peak)]
@@ -323,6 +336,7 @@ def print_table(results: List[dict], baseline: Optional[str] = None) -> None:
         name = r["impl"] + (f" ZeRO-{r['stage']}" if r["stage"] is not None else "")
         name += (" +offload" if r.get("offload") else "") + (" DPU" if r.get("delayed_update") else "")
         name += " half-norm" if r.get("norm_activations") == "half" else ""
+        name += f" replicas/{r['replicas']}" if r.get("replicas") else ""
         mfu = f"{r['mfu'] * 100:.1f}%" if r["mfu"] is not None else "-"
         mem = r["peak_mem_gb"] if r["peak_mem_gb"] is not None else "-"
         print(f"{name:<30}{r['tok_s_gpu']:>14,}{r['tok_s_gpu'] / base['tok_s_gpu']:>8.3f}"

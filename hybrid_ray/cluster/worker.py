@@ -8,6 +8,7 @@ the actor waits for the next one. The process itself lives on: the driver keeps 
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import socket
 import threading
@@ -240,13 +241,21 @@ def _forget_failed_groups() -> None:
 
 def _leave(orderly: bool) -> None:
     """Destroy the group. After a clean end the ranks meet first: gloo tears a pair down badly
-    when one side destroys while the other still sends. A group broken by a lost peer is just
-    dropped (its collectives would fail or hang)."""
+    when one side destroys while the other still sends. A group broken by a lost peer is
+    dropped at once and for real: its connections close only when nothing holds the group any
+    more (the failed engine sits in reference cycles until a collection), and their closing is
+    what tells the ranks that were not connected to the lost one. Without it a rank waiting in
+    a ring all-reduce on a peer that gave up waits for the collective timeout (30 s and more at
+    4 workers, where only the lost rank's neighbours see its socket close)."""
     if not (dist.is_available() and dist.is_initialized()):
         return
+    if not orderly:
+        gc.collect()  # the failed engine's cycles: it holds the group and its Work handles
     try:
         if orderly:
             dist.barrier()
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001 - a broken group may not tear down cleanly; drop it anyway
         pass
+    if not orderly:
+        gc.collect()

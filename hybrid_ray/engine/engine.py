@@ -267,6 +267,8 @@ class Engine(EngineLifecycle, EngineState, DeepSpeedAccessors, PipelineBatches):
         if not boundary:
             return
         self.reducer.finish_window()
+        if self.replicas is not None:
+            self.replicas.before_update()  # the last snapshot's copy has read the masters
         self._last = self.zero.step(self._scaler.loss_scale, self.config.gradient_clipping)
         self._after_step(self._last)
         self._window_open = False

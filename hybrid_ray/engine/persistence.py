@@ -53,6 +53,8 @@ class EngineState:
         worker) is tried first, when no tag is asked for: its path reads
         `memory:<load_dir>/global_step<N>` and nothing is read from storage."""
         whole = tag is None and load_optimizer_states and load_lr_scheduler_states and not load_module_only
+        if self.replicas is not None:
+            self.replicas.before_update()  # a snapshot's copy in flight reads the masters
         if self.replicas is not None and whole:
             step = self.replicas.recover(self.train_state(), load_dir)
             if step is not None:
@@ -67,7 +69,8 @@ class EngineState:
             self._window_open = False  # gradients of a window begun before the load are dropped
             self._apply_schedule()
         if self.replicas is not None:
-            self.replicas.saw_checkpoint(load_dir, self.global_steps if out[0] is not None else -1)
+            self.replicas.saw_checkpoint(load_dir, self.global_steps if out[0] is not None else -1,
+                                         loaded=True)
         return out
 
     def train_state(self) -> TrainState:

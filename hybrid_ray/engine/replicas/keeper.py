@@ -13,7 +13,6 @@ version that the survivors hold for every rank of the old group.
 """
 from __future__ import annotations
 
-import concurrent.futures as cf
 import threading
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
@@ -31,7 +30,7 @@ class Keeper:
         self.committed = -1
         self.disk_step = -1  # newest checkpoint step this run saved or loaded (so memory is not older)
         self.run: Optional[str] = None
-        self.inflight: Optional[cf.Future] = None  # the newest exchange (ring.py)
+        self._token = 0  # the ring whose updates count (begin)
         self._spare: Dict[str, Snapshot] = {}  # "own"/"held": a dropped snapshot, for its buffers
 
     def start(self, run: Optional[str]) -> None:
@@ -53,31 +52,45 @@ class Keeper:
             self.committed, self.disk_step = -1, -1
         self.run = run
 
-    def settle(self, timeout_s: float) -> None:
-        """Wait (bounded) for the last exchange of an earlier group to end, however it ends."""
-        fut, self.inflight = self.inflight, None
-        if fut is not None:
-            try:
-                fut.result(timeout=timeout_s)
-            except Exception:  # noqa: BLE001 - a failed exchange leaves its version uncommitted
-                pass
-
-    def put_own(self, snap: Snapshot) -> None:
+    def begin(self) -> int:
+        """A new engine's ring starts: a token for its updates. Updates under an older token
+        (an exchange of a group that has since broken, still blocked or finishing late) are
+        ignored, so a recovery never waits for them and never sees them land halfway."""
         with self._lock:
-            self.own[snap.step] = snap
+            self._token += 1
+            return self._token
 
-    def put_held(self, snap: Snapshot) -> None:
-        with self._lock:
-            self.held[snap.step] = snap
+    def put_own(self, snap: Snapshot, token: int) -> None:
+        self._put(self.own, snap, token)
 
-    def commit(self, version: int) -> None:
-        """Every rank holds `version` of every shard: older versions can go (their buffers are
-        kept for the next snapshot: pinned host memory is slow to allocate)."""
+    def put_held(self, snap: Snapshot, token: int) -> None:
+        self._put(self.held, snap, token)
+
+    def _put(self, store: Dict[int, Snapshot], snap: Snapshot, token: int) -> None:
         with self._lock:
-            self.committed = max(self.committed, version)
+            if token == self._token:
+                snap.token = token
+                store[snap.step] = snap
+
+    def commit(self, version: int, token: int) -> None:
+        """Every rank holds `version` of every shard: older versions, and those of earlier
+        rings (the group before a recovery), can go. Their buffers are kept for the next
+        snapshot: pinned host memory is slow to allocate."""
+        with self._lock:
+            if token != self._token:
+                return
+            self.committed = version
             for name, store in (("own", self.own), ("held", self.held)):
-                for v in [v for v in store if v < self.committed]:
+                for v in [v for v, s in store.items() if v < version or s.token != token]:
                     self._spare[name] = store.pop(v)
+
+    def rewind(self, step: int) -> None:
+        """The run went on from `step` (a recovery or a checkpoint load): versions after it
+        belong to a history that was given up and must never be combined with the new one."""
+        with self._lock:
+            for store in (self.own, self.held):
+                for v in [v for v in store if v > step]:
+                    del store[v]
 
     def recycled(self, store: str) -> Optional[Snapshot]:
         """A snapshot that a newer commit made useless, whose buffers the next one can reuse."""

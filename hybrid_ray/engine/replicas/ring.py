@@ -17,8 +17,9 @@ import concurrent.futures as cf
 import datetime
 import logging
 import os
+import threading
 import time
-from typing import Callable, List, Optional
+from typing import Any, Callable, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -41,12 +42,17 @@ class Replicator:
     """One engine's side of the ring. Collective to construct (it forms the gloo group)."""
 
     def __init__(self, topo: Topology, settings: FaultToleranceConfig, keeper: Keeper = KEEPER):
-        self.topo, self.settings, self.keeper = topo, settings, keeper
+        # Not the Topology: an exchange blocked on a lost peer must not hold the training
+        # group, whose release is what tells the other ranks (cluster/worker.py _leave).
+        self.settings, self.keeper = settings, keeper
         self.world, self.rank = topo.world_size, topo.rank
+        self.token = keeper.begin()
         timeout = datetime.timedelta(seconds=settings.timeout_s)
         self.group = dist.new_group(backend="gloo", timeout=timeout) if self.world > 1 else None
         self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="hybrid-ray-replicas")
         self._inflight: Optional[cf.Future] = None
+        self._copied: Any = None  # the last snapshot's copy: done before the next update
+        self._stream: Any = None  # the side stream of device-to-host copies (GPU)
         self._layout: Optional[tuple] = None  # (ids of the spaces, their layout)
         self.run: Optional[str] = None  # the checkpoint directory of the run (Engine sets it)
         self.pin = topo.device.type == "cuda"
@@ -61,7 +67,6 @@ class Replicator:
         into `ts`: its step, or None (nothing loaded) when some rank's shard is held nowhere.
         Collective."""
         self.run = run_label(directory)
-        self.keeper.settle(self.settings.timeout_s)  # the old group's exchange has ended first
         t0 = time.perf_counter()
         step, why, mine = rec.recover(ts, self.keeper, self.group, self.run)
         self.rank_state = mine.rank if mine is not None else None
@@ -69,21 +74,25 @@ class Replicator:
         self.last_recovery = {"source": "memory" if step is not None else "disk", "step": step,
                               "reason": why, "seconds": round(seconds, 3)}
         if step is not None:
+            self.keeper.rewind(step)
             ts.log(f"recovered step {step} from the replicas in memory in {seconds:.2f} s (no disk read)")
         elif self.keeper.run == self.run:
             ts.log(f"replicas in memory not used: {why}; loading the newest checkpoint", logging.WARNING)
         return step
 
-    def saw_checkpoint(self, directory: str, step: int) -> None:
-        """The run saved or loaded a checkpoint at `step` (-1: none found): memory older than
-        that is never preferred to it."""
+    def saw_checkpoint(self, directory: str, step: int, loaded: bool = False) -> None:
+        """The run saved or loaded (`loaded`) a checkpoint at `step` (-1: none found): memory
+        older than that is never preferred to it, and a load gives up anything newer."""
         self.run = run_label(directory)
         self.keeper.saw_disk(self.run, step)
+        if loaded and step >= 0:
+            self.keeper.rewind(step)
 
     # ---- the training thread -----------------------------------------------------------
     def after_step(self, ts: TrainState, step: int, rank_state: Callable[[], dict]) -> None:
-        """Called after each optimizer step: snapshot and start the exchange every interval.
-        rank_state: the engine's other per-rank state (its compression state)."""
+        """Called after each optimizer step: every copy_interval steps, copy the shard to host
+        memory off the training thread's path (a side stream on a GPU, the exchange thread on
+        the CPU) and send it to the buddy. rank_state: the engine's other per-rank state."""
         if step % self.settings.copy_interval:
             return
         self.wait()
@@ -92,14 +101,37 @@ class Replicator:
             self._layout = (spaces, snap.layout(ts))
             self.keeper.start(self.run)
         reuse = self.keeper.recycled("own")
-        tensors = snap.copy_into(snap.shard_tensors(ts), reuse.tensors if reuse else None, self.pin)
-        own = snap.Snapshot(step, self.rank, self.world, tensors, snap.small_state(ts, self._layout[1], rank_state()), self.run)
-        event = torch.cuda.Event() if self.pin else None
-        if event is not None:
-            event.record()
-        self.keeper.put_own(own)
-        self._inflight = self._pool.submit(self._exchange, own, event)
-        self.keeper.inflight = self._inflight
+        live = snap.shard_tensors(ts)
+        small = snap.small_state(ts, self._layout[1], rank_state())  # counters, RNG: this thread's
+        copied: Any = threading.Event()
+        if self.pin:
+            live, copied = self._device_copy(live, reuse), torch.cuda.Event()
+            copied.record(self._stream)
+            reuse = None
+        self._copied = copied
+        own = snap.Snapshot(step, self.rank, self.world, [], small, self.run)
+        self._inflight = self._pool.submit(self._copy_and_exchange, own, live, reuse, copied)
+
+    def before_update(self) -> None:
+        """Called before the optimizer writes into the masters: the copy of the last snapshot
+        must have read them by then (it overlapped the forward and backward since)."""
+        copied, self._copied = self._copied, None
+        if copied is None:
+            return
+        if isinstance(copied, threading.Event):
+            while not copied.wait(0.05):
+                if self._inflight is None or self._inflight.done():
+                    break  # the exchange failed before copying: wait() raises it
+        else:
+            torch.cuda.current_stream().wait_event(copied)
+
+    def _device_copy(self, live: List[snap.Tensors], reuse: Optional[snap.Snapshot]) -> List[snap.Tensors]:
+        """Device-to-host copies into pinned buffers on a side stream, after the step's kernels."""
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        self._stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._stream):
+            return snap.copy_into(live, reuse.tensors if reuse else None, True)
 
     def wait(self) -> None:
         """Wait for the exchange in flight; its failure is raised here, once."""
@@ -122,11 +154,17 @@ class Replicator:
         self._pool.shutdown(wait=False)
 
     # ---- the exchange thread -----------------------------------------------------------
-    def _exchange(self, own: snap.Snapshot, event: Optional[torch.cuda.Event]) -> None:
-        if event is not None:
-            event.synchronize()
+    def _copy_and_exchange(self, own: snap.Snapshot, live: List[snap.Tensors],
+                           reuse: Optional[snap.Snapshot], copied: Any) -> None:
+        if isinstance(copied, threading.Event):  # host tensors: copied here, then released
+            own.tensors = snap.copy_into(live, reuse.tensors if reuse else None, False)
+            copied.set()
+        else:
+            copied.synchronize()
+            own.tensors = live  # the pinned copies the side stream filled
+        self.keeper.put_own(own, self.token)
         if self.group is None:
-            self.keeper.commit(own.step)
+            self.keeper.commit(own.step, self.token)
             return
         nxt, prev = (self.rank + 1) % self.world, (self.rank - 1) % self.world
         reuse = self.keeper.recycled("held")
@@ -143,10 +181,10 @@ class Replicator:
         payload = torch.frombuffer(bytearray(own.small), dtype=torch.uint8)
         self._swap(flat + [payload], incoming + [small_in], nxt, prev)
         held = snap.Snapshot(own.step, prev, self.world, recv_tensors, small_in.numpy().tobytes(), own.run)
-        self.keeper.put_held(held)
+        self.keeper.put_held(held, self.token)
         version = torch.tensor([own.step], dtype=torch.int64)
         dist.all_reduce(version, op=dist.ReduceOp.MIN, group=self.group)
-        self.keeper.commit(int(version.item()))
+        self.keeper.commit(int(version.item()), self.token)
 
     def _swap(self, send: List[torch.Tensor], recv: List[torch.Tensor], nxt: int, prev: int) -> None:
         """Send `send` to the next rank and receive `recv` from the previous, all at once."""

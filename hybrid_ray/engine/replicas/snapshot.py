@@ -33,6 +33,7 @@ class Snapshot:
     tensors: List[Tensors]  # per flat space: key ("master", "exp_avg", ...) -> host shard
     small: bytes  # pickled SmallState
     run: Optional[str] = None  # the checkpoint directory of the run (the engine's newest load/save)
+    token: int = 0  # the ring that made it (keeper.begin)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for ts in self.tensors for t in ts.values()) + len(self.small)
