@@ -35,6 +35,7 @@ from typing import Dict, List
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 STEPS, EVERY, FAULT_STEP, BATCH = 30, 5, 13, 8
+MODEL, GPU = "small", False  # --model, --device cuda (set in main; the workers get them pickled)
 
 
 def _log(path: str, **rec) -> None:
@@ -52,14 +53,15 @@ def _engine(topology, replicas: bool = False):
     cfg = {"train_batch_size": BATCH, "train_micro_batch_size_per_gpu": BATCH // world,
            "zero_optimization": {"stage": 2}, "gradient_clipping": 1.0,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-           "fault_tolerance": {"replicas": int(replicas)}}
-    return hybrid_ray.initialize(GPT(GPT_SIZES["small"]), config=cfg, topology=topology)[0]
+           "fault_tolerance": {"replicas": int(replicas)},
+           "bf16": {"enabled": GPU}, "checkpoint": {"async_save": GPU}}
+    return hybrid_ray.initialize(GPT(GPT_SIZES[MODEL]), config=cfg, topology=topology)[0]
 
 
 def _batch(step: int, rank: int, world: int):
     import torch
     from hybrid_ray.models import GPT_SIZES
-    c = GPT_SIZES["small"]
+    c = GPT_SIZES[MODEL]
     g = torch.Generator().manual_seed(step)
     x = torch.randint(0, c.vocab_size, (BATCH, c.seq_len + 1), generator=g)
     per = BATCH // world
@@ -78,7 +80,7 @@ def _steps(engine, rank, world, events, fault_marker, save, lose=(1,)):
             _log(events, kind="fault", step=step, rank=rank)
             os._exit(1)
         x, y = _batch(step, rank, world)
-        engine.backward(engine(x, y))
+        engine.backward(engine(x.to(engine.device), y.to(engine.device)))
         engine.step()
         _log(events, kind="step", step=engine.global_steps, rank=rank)
         if engine.global_steps % EVERY == 0:
@@ -106,10 +108,13 @@ def run_ours(work: str, name: str = "ours", replicas: bool = False, spares: int 
     events, marker = os.path.join(work, f"{name}.jsonl"), os.path.join(work, f"{name}.fault")
     seen: List[tuple] = []
     trainer = ElasticTrainer(lambda ctx: ours_fn(ctx, events, marker, replicas, lose),
-                             ScalingConfig(min_workers=workers, max_workers=workers, spare_workers=spares),
+                             ScalingConfig(min_workers=workers, max_workers=workers, spare_workers=spares,
+                                           use_gpu=GPU, resources_per_worker=
+                                           {"CPU": 1, "GPU": 0.5} if GPU else None),
                              FailureConfig(max_failures=1, collective_timeout_s=30.0),
                              storage_path=os.path.join(work, name), run_name="bench",
-                             on_event=lambda msg: seen.append((time.time(), msg)))
+                             on_event=lambda msg: (seen.append((time.time(), msg)),
+                                                   print(f"  [{name}] {msg}", flush=True)))
     t0 = time.time()
     trainer.fit()
     total = time.time() - t0
@@ -175,41 +180,57 @@ def _measure(events: str, total: float, detected) -> Dict[str, float]:
             "resumed_from": start.get("source") or "disk"}
 
 
+def _python_path() -> str:
+    """The repository first, then whatever PYTHONPATH already holds (on a GPU machine, the
+    carried Ray itself: replacing it would leave the workers without Ray)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+
+
 def main() -> None:
+    global STEPS, EVERY, FAULT_STEP, MODEL, GPU
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=None, help="append one JSON row per way to this file")
     p.add_argument("--skip-ray-train", action="store_true", help="leave Ray Train's row out")
     p.add_argument("--workers", type=int, default=2, help="workers (2 or 4; Ray Train runs at 2 only)")
     p.add_argument("--lose", default="1", help="ranks that exit together, e.g. 1,3 (buddies apart: "
                    "rank r's copy lives on r+1) or 1,2 (a rank and its buddy)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="cuda: GPU workers, half a GPU each (a spare fits beside one worker), bf16")
+    p.add_argument("--model", default="small", help="a GPT_SIZES name (350m on one H200)")
+    p.add_argument("--steps", type=int, default=STEPS)
+    p.add_argument("--every", type=int, default=EVERY, help="checkpoint interval")
+    p.add_argument("--fault-step", type=int, default=FAULT_STEP)
     args = p.parse_args()
     lose = tuple(int(r) for r in args.lose.split(","))
+    STEPS, EVERY, FAULT_STEP, MODEL, GPU = args.steps, args.every, args.fault_step, args.model, args.device == "cuda"
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
     from hybrid_ray.cluster.local import start_local
-    start_local(num_cpus=args.workers + 2 * len(lose), include_dashboard=False, log_to_driver=False,  # all on 127.0.0.1
-                runtime_env={"env_vars": {"PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}})
+    start_local(num_cpus=args.workers + 2 * len(lose), num_gpus=1 if GPU else 0, include_dashboard=False, log_to_driver=False,  # all on 127.0.0.1
+                runtime_env={"env_vars": {"PYTHONPATH": _python_path()}})
     work = tempfile.mkdtemp(prefix="hybrid_ray_recovery_")
     n = dict(workers=args.workers, lose=lose)
-    rows = {"hybrid_ray, checkpoint": run_ours(work, **n),
-            "hybrid_ray, replicas": run_ours(work, "replicas", replicas=True, **n),
-            f"hybrid_ray, replicas + {len(lose)} spare(s)": run_ours(work, "spare", replicas=True,
-                                                                      spares=len(lose), **n)}
-    if not args.skip_ray_train and args.workers == 2 and lose == (1,):
+    rows = {"hybrid_ray, checkpoint": run_ours(work, **n)}
+    if args.workers > 1:  # one worker has no buddy: nothing survives in memory
+        rows["hybrid_ray, replicas"] = run_ours(work, "replicas", replicas=True, **n)
+    rows[f"hybrid_ray, {'replicas' if args.workers > 1 else 'checkpoint'} + {len(lose)} spare(s)"] = \
+        run_ours(work, "spare", replicas=args.workers > 1, spares=len(lose), **n)
+    if not args.skip_ray_train and args.workers == 2 and lose == (1,) and not GPU:
         rows["Ray Train TorchTrainer"] = run_ray_train(work)
     ray.shutdown()
     if args.out:
         with open(args.out, "a") as f:
             for name, r in rows.items():
                 f.write(json.dumps({"impl": name, "workers": args.workers, "lost_ranks": list(lose),
-                                    "model": "small", "device": "cpu",
+                                    "model": MODEL, "device": args.device, "steps": STEPS,
                                     "fault_step": FAULT_STEP, "checkpoint_every": EVERY, **r}) + "\n")
     print(f"\n{'':<30}{'detection s':>12}{'restart s':>11}{'recovery s':>12}{'steps lost':>12}{'total s':>9}"
           "  resumed from")
     for name, r in rows.items():
         print(f"{name:<30}{r['detection_s']:>12}{r['restart_s']:>11}{r['recovery_s']:>12}"
               f"{r['steps_lost']:>12}{r['total_s']:>9}  {r['resumed_from']}")
-    print(f"({args.workers} CPU workers, 'small' GPT, checkpoint every {EVERY} steps, rank(s) {args.lose} "
+    print(f"({args.workers} {args.device} worker(s), '{MODEL}' GPT, checkpoint every {EVERY} steps, rank(s) {args.lose} "
           f"exit at step {FAULT_STEP}; "
           f"Ray Train's 'detection' is when its new workers start)")
 
