@@ -24,7 +24,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 from hybrid_ray.config.cluster import FailureConfig, ScalingConfig
 
-from .policy import Decision, FailurePolicy, ScalingPolicy, Watch, judge
+from .policy import Decision, FailurePolicy, ScalingPolicy, Watch, judge, rank_order
 from .records import Event, Metrics, Record
 from .status import Member, PollStatus, replica_mates
 
@@ -172,6 +172,7 @@ class Controller:
         return self._start_generation()
 
     def _start_generation(self) -> State:
+        self.group.members[:] = rank_order(self.group.members, self.scaling.replica_size)
         members = self.group.members
         world, generation = len(members), self.result.generations
         self.result.world_sizes.append(world)

@@ -7,7 +7,7 @@ dataclasses, the controller carries them out.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from hybrid_ray.config.cluster import FailureConfig, ScalingConfig
 
@@ -132,3 +132,22 @@ def judge(status: PollStatus, watch: Watch, now: float, heartbeat_timeout_s: flo
     if watch.newest >= 0 and stalled(watch.last_progress, now, heartbeat_timeout_s):
         return Verdict("failed", f"no step for {heartbeat_timeout_s:.0f} s")
     return KEEP
+
+
+def rank_order(members: List[Member], replica_size: int = 1) -> List[Member]:
+    """The members in rank order: round robin over their nodes, so that consecutive ranks sit
+    on different nodes wherever the nodes allow. Rank r keeps its copy of the ZeRO shard on
+    rank r+1 (engine/replicas): on another node, one node's loss never takes a shard and its
+    copy together. Whole replicas of replica_size > 1 (one node each) keep their order."""
+    if replica_size > 1:
+        return list(members)
+    by_node: Dict[str, List[Member]] = {}
+    for m in members:
+        by_node.setdefault(m.info.get("node_id", ""), []).append(m)
+    queues = list(by_node.values())
+    out: List[Member] = []
+    while any(queues):
+        for q in queues:
+            if q:
+                out.append(q.pop(0))
+    return out

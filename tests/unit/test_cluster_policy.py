@@ -83,3 +83,17 @@ def test_a_lost_worker_takes_its_replica_mates_with_it():
     assert replica_mates(members, [members[1]]) == [members[0]]
     alone = [Member(None, i) for i in range(3)]  # replica_size 1: every worker its own replica
     assert replica_mates(alone, [alone[1]]) == []
+
+
+def test_ranks_alternate_nodes_so_a_shard_and_its_copy_never_share_one() -> None:
+    from hybrid_ray.cluster.policy import rank_order
+    from hybrid_ray.cluster.status import Member
+
+    nodes = ["a", "a", "a", "b", "b", "c"]
+    members = [Member(None, i, {"node_id": n}) for i, n in enumerate(nodes)]
+    order = [m.info["node_id"] for m in rank_order(members)]
+    assert order == ["a", "b", "c", "a", "b", "a"]
+    # rank r's buddy is r+1 (mod N): only where one node holds more than half can they meet
+    pairs = [(order[r], order[(r + 1) % len(order)]) for r in range(len(order))]
+    assert sum(x == y for x, y in pairs) == 1
+    assert rank_order(members, replica_size=2) == members  # whole replicas keep their order
