@@ -44,18 +44,26 @@ def _log(path: str, **rec) -> None:
         f.write(json.dumps(rec) + "\n")
 
 
-def _engine(topology, replicas: bool = False):
+def _model(device=None):
     import torch
-    import hybrid_ray
     from hybrid_ray.models import GPT, GPT_SIZES
     torch.manual_seed(0)
+    model = GPT(GPT_SIZES[MODEL])
+    return model.to(device) if device is not None else model
+
+
+def _engine(topology, replicas: bool = False):
+    import hybrid_ray
     world = topology.world_size
     cfg = {"train_batch_size": BATCH, "train_micro_batch_size_per_gpu": BATCH // world,
            "zero_optimization": {"stage": 2}, "gradient_clipping": 1.0,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
            "fault_tolerance": {"replicas": int(replicas)},
            "bf16": {"enabled": GPU}, "checkpoint": {"async_save": GPU}}
-    return hybrid_ray.initialize(GPT(GPT_SIZES[MODEL]), config=cfg, topology=topology)[0]
+    from hybrid_ray.cluster.context import warmed
+    model = warmed().pop("bench_model", None)
+    warm = model is not None
+    return hybrid_ray.initialize(model if warm else _model(), config=cfg, topology=topology)[0], warm
 
 
 def _batch(step: int, rank: int, world: int):
@@ -88,12 +96,30 @@ def _steps(engine, rank, world, events, fault_marker, save, lose=(1,)):
 
 
 # ---- ours ----------------------------------------------------------------------------
+class OursFn:
+    """The training function; a warm spare builds its model while it waits (warm())."""
+
+    def __init__(self, events: str, marker: str, replicas: bool, lose: tuple):
+        self.args = (events, marker, replicas, lose)
+
+    def warm(self) -> None:
+        import torch
+        from hybrid_ray.cluster.context import warmed
+        warmed()["bench_model"] = _model(torch.device("cuda", 0) if GPU else None)
+
+    def __call__(self, ctx):
+        return ours_fn(ctx, *self.args)
+
+
 def ours_fn(ctx, events: str, marker: str, replicas: bool, lose: tuple):
-    engine = _engine(ctx.topology, replicas)
+    entered = time.time()
+    engine, warm = _engine(ctx.topology, replicas)
+    built = time.time()
     ckpt = os.path.join(ctx.storage_path, ctx.run_name, "checkpoints")
     path, _ = engine.load_checkpoint(ckpt)
     source = None if path is None else "memory" if path.startswith("memory:") else "disk"
-    _log(events, kind="start", step=engine.global_steps, rank=ctx.rank, source=source)
+    _log(events, kind="start", step=engine.global_steps, rank=ctx.rank, source=source, entered=entered, warm=warm,
+         build_s=round(built - entered, 2), load_s=round(time.time() - built, 2))
 
     def save(e):
         e.save_checkpoint(ckpt)
@@ -107,7 +133,7 @@ def run_ours(work: str, name: str = "ours", replicas: bool = False, spares: int 
     from hybrid_ray.cluster import ElasticTrainer, FailureConfig, ScalingConfig
     events, marker = os.path.join(work, f"{name}.jsonl"), os.path.join(work, f"{name}.fault")
     seen: List[tuple] = []
-    trainer = ElasticTrainer(lambda ctx: ours_fn(ctx, events, marker, replicas, lose),
+    trainer = ElasticTrainer(OursFn(events, marker, replicas, lose),
                              ScalingConfig(min_workers=workers, max_workers=workers, spare_workers=spares,
                                            use_gpu=GPU, resources_per_worker=
                                            {"CPU": 1, "GPU": 0.5} if GPU else None),
@@ -128,7 +154,7 @@ def ray_train_fn(config: dict):
     from hybrid_ray.engine import Topology
     events, marker = config["events"], config["marker"]
     topo = Topology.from_environment()
-    engine = _engine(topo)
+    engine, _ = _engine(topo)
     ckpt = ray.train.get_checkpoint()
     if ckpt is not None:
         with ckpt.as_directory() as d:
@@ -177,7 +203,11 @@ def _measure(events: str, total: float, detected) -> Dict[str, float]:
             "restart_s": round(restart - fault["t"], 2),
             "recovery_s": round(first - fault["t"], 2),
             "steps_lost": before - resumed, "total_s": round(total, 1),
-            "resumed_from": start.get("source") or "disk"}
+            "resumed_from": start.get("source") or "disk",
+            # the restart's parts: the new group's training function entered, the engine built
+            # (model included, unless a spare built it while it waited), the state loaded
+            "enter_s": round(start.get("entered", restart) - fault["t"], 2),
+            "build_s": start.get("build_s"), "load_s": start.get("load_s")}
 
 
 def _python_path() -> str:
@@ -229,7 +259,8 @@ def main() -> None:
           "  resumed from")
     for name, r in rows.items():
         print(f"{name:<30}{r['detection_s']:>12}{r['restart_s']:>11}{r['recovery_s']:>12}"
-              f"{r['steps_lost']:>12}{r['total_s']:>9}  {r['resumed_from']}")
+              f"{r['steps_lost']:>12}{r['total_s']:>9}  {r['resumed_from']}  (entered "
+              f"{r.get('enter_s', '-')} s, build {r.get('build_s', '-')} s, load {r.get('load_s', '-')} s)")
     print(f"({args.workers} {args.device} worker(s), '{MODEL}' GPT, checkpoint every {EVERY} steps, rank(s) {args.lose} "
           f"exit at step {FAULT_STEP}; "
           f"Ray Train's 'detection' is when its new workers start)")

@@ -82,6 +82,16 @@ class WorkerContext:
         return box[0]
 
 
+_WARMED: dict = {}
+
+
+def warmed() -> dict:
+    """What a training function's warm() prepared on a warm spare while it waited (a model, say),
+    kept in the worker's process for the generation the spare joins: the function takes it from
+    here when it runs (a function is unpickled anew for each call, so it cannot keep it itself)."""
+    return _WARMED
+
+
 def local_context(storage_path: str, run_name: str, topology: Optional[Topology] = None) -> WorkerContext:
     """A context for running a training function without Ray (tests, torchrun)."""
     return WorkerContext(topology or Topology.from_environment(), 0, storage_path, run_name)

@@ -19,7 +19,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from hybrid_ray.engine import Topology, gloo_on_loopback
+from hybrid_ray.engine import Topology, gloo_on_loopback, warm_up
 
 from .context import StopTraining, WorkerContext
 from .records import Record, SystemSample
@@ -64,8 +64,11 @@ class Worker:
             return s.getsockname()[1]
 
     def warm(self, fn: Callable[[WorkerContext], Any]) -> bool:
-        """A spare's start: the training function arrives unpickled (its imports done here);
-        its own `warm()`, where it has one, prepares what else it can ahead (a device context)."""
+        """A spare's start: the training function arrives unpickled (its imports done here), a
+        throwaway engine takes one step (first-use imports, the device's kernels), and the
+        function's own `warm()`, where it has one, prepares what else it can ahead (its model:
+        see context.warmed)."""
+        warm_up(torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu"))
         warm = getattr(fn, "warm", None)
         if callable(warm):
             warm()

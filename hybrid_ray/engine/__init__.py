@@ -22,8 +22,9 @@ from .engine import Engine, NonFiniteGradientError
 from .loss_scaler import LossScaleUnderflowError
 from .precision import FP16Layer, FP16Module
 from .topology import Topology, gloo_on_loopback
+from .warm import warm_up
 from .zero.stage3 import register_external_parameter
 
 __all__ = ["CheckpointError", "Checkpointer", "Engine", "FP16Layer", "FP16Module",
            "LossScaleUnderflowError", "NonFiniteGradientError", "StepCounters", "Topology", "gloo_on_loopback",
-           "TrainState", "checkpoint_activations", "register_external_parameter"]
+           "TrainState", "checkpoint_activations", "register_external_parameter", "warm_up"]

@@ -4,6 +4,7 @@ Split out of loop.py so the loop reads top to bottom; every function here runs o
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass
@@ -16,7 +17,9 @@ import torch.nn as nn
 import hybrid_ray
 from hybrid_ray.cluster.records import Event, Metrics, Record, Text
 from hybrid_ray.config.paths import is_uri
+from hybrid_ray.cluster.context import warmed
 from hybrid_ray.data import ResumableLoader, TokenDataset, ensure_prepared, load_tokenizer, open_split
+from hybrid_ray.data.prepare import read_meta
 from hybrid_ray.data.tokenizer import Tokenizer
 from hybrid_ray.engine import Engine
 from hybrid_ray.engine import Topology
@@ -191,12 +194,33 @@ def whole_params(job: Job, vocab_size: int) -> int:
         return GPT(gpt_config(job, vocab_size)).num_params()
 
 
+def warm_model(job: Job) -> None:
+    """On a warm spare, while it waits: the job's (unsplit) GPT, built as a run would build it,
+    kept in the process (cluster.context.warmed) for `build` to take if it joins. Nothing when
+    the dataset is not prepared yet or the model is split into stages (their form depends on
+    the run's checkpoint)."""
+    meta = read_meta(job.data.path)
+    if meta is None or job.engine.pipeline_model_parallel_size > 1:
+        return
+    vocab = load_tokenizer(job.data.path, meta).vocab_size
+    warmed()["lm_model"] = (_model_key(job, vocab), build_model(job, vocab, job.engine.seed or 0))
+
+
+def _model_key(job: Job, vocab: int) -> tuple:
+    return (json.dumps(dataclasses.asdict(job.model), sort_keys=True), vocab, job.engine.seed or 0)
+
+
+def _take_warm_model(job: Job, vocab: int) -> Optional[nn.Module]:
+    key, model = warmed().pop("lm_model", (None, None))
+    return model if key == _model_key(job, vocab) and job.engine.pipeline_model_parallel_size == 1 else None
+
+
 def build(job: Job, topo: Topology, meta: dict, resuming: bool = False) -> Run:
     """Model, engine and this rank's loader; every rank builds the same initial weights
     (`resuming`: the run's checkpoint decides the model's form, build_stages says how)."""
     m, d = job.model, job.data
     tok = load_tokenizer(d.path, meta)
-    model = build_stages(job, tok.vocab_size, job.engine.seed or 0, resuming)
+    model = _take_warm_model(job, tok.vocab_size) or build_stages(job, tok.vocab_size, job.engine.seed or 0, resuming)
     num_params = whole_params(job, tok.vocab_size)
     train = open_split(d.path, meta, "train", m.seq_len, d.cache_dir)
     # print_steps off: the job prints its own progress lines (loop.py) and records every

@@ -13,7 +13,7 @@ import torch
 from hybrid_ray.cluster.context import StopTraining, WorkerContext
 from hybrid_ray.lm.job import load_job
 from hybrid_ray.lm.loop import train
-from hybrid_ray.lm.setup import RunContext
+from hybrid_ray.lm.setup import RunContext, warm_model
 
 
 @dataclass(frozen=True)
@@ -23,9 +23,9 @@ class LMTrainFn:
     raw: Dict[str, Any]
 
     def warm(self) -> None:
-        """A spare's preparation while it waits (the imports came with unpickling this)."""
-        if torch.cuda.is_available():
-            torch.cuda.init()  # the device context: seconds a replacement need not pay
+        """A spare's preparation while it waits (the imports came with unpickling this, the
+        device's start with the worker's warm-up): the job's model, built and kept."""
+        warm_model(load_job(self.raw))
 
     def __call__(self, ctx: WorkerContext):
         # The worker set its thread count from its CPU resources: keep it (the loop would

@@ -191,3 +191,29 @@ def test_job_engine_batch_is_checked_by_the_job_rule_at_load():
     # 2 x 15 on one rank, though a plain engine config would need 30 divisible by 16.
     job = load_job({**TINY, "engine": {"train_batch_size": 30, "train_micro_batch_size_per_gpu": 16}})
     assert for_world(job, 1).engine.resolve_batch(1) == BatchSizes(30, 15, 2)
+
+
+def test_a_warm_spares_model_is_the_one_the_run_builds(data_dir, tmp_path):
+    # LMTrainFn.warm on a spare builds the job's model ahead; the run that the spare joins takes
+    # it instead of building another, and only for the same model, vocabulary and seed.
+    import torch
+
+    from hybrid_ray.cluster.context import warmed
+    from hybrid_ray.data import ensure_prepared
+    from hybrid_ray.engine import Topology
+    from hybrid_ray.lm.setup import build, warm_model
+
+    job = load_job(tiny_job(data_dir, tmp_path / "run"))
+    meta = ensure_prepared(job.data.corpus, job.data.path, job.data.prepare)
+    warm_model(job)
+    spare = warmed()["lm_model"][1]
+    run = build(job, Topology(0, 1, torch.device("cpu")), meta)
+    assert run.engine.module is spare and "lm_model" not in warmed()
+    fresh = build(job, Topology(0, 1, torch.device("cpu")), meta)  # nothing warmed: built anew, equal
+    for a, b in zip(run.engine.module.parameters(), fresh.engine.module.parameters()):
+        assert torch.equal(a, b)
+    other = load_job({**tiny_job(data_dir, tmp_path / "run"), "model": {**TINY["model"], "d_model": 64}})
+    warm_model(other)
+    stale = warmed()["lm_model"][1]
+    assert build(job, Topology(0, 1, torch.device("cpu")), meta).engine.module is not stale
+    warmed().clear()
