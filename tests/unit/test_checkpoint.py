@@ -107,7 +107,9 @@ def test_corrupt_latest_falls_back_named_tag_fails(tmp_path: Path, caplog) -> No
     assert "global_step2 is corrupt" in caplog.text and "instead of global_step2" in caplog.text
     got = state(loaded)
     assert all(torch.equal(got[n][k], want[n][k]) for n in want for k in want[n])
-    with pytest.raises(CheckpointError, match=r"global_step2 is corrupt: params-rank00000\S* fails its sha256"):
+    # truncated: the sizes tell, before a byte is read
+    with pytest.raises(CheckpointError, match=r"global_step2 is corrupt: params-rank00000\S* has \d+ bytes, "
+                                              r"the manifest says \d+"):
         loaded.load_checkpoint(tmp_path, tag="global_step2")
     (tmp_path / "global_step1" / "manifest.json").unlink()  # nothing good left
     with pytest.raises(CheckpointError, match="no loadable checkpoint"):

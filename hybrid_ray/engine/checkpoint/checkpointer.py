@@ -23,7 +23,8 @@ pointer, then applies retention (retention.py). With `async_save` the second hal
 on a background thread and training is blocked only for the snapshot; the next save, a load,
 `wait_checkpoint()` and `close()` wait for it, and its error surfaces there.
 
-Loading (rank 0 chooses and verifies, read.py) reads every file on every rank and
+Loading (rank 0 chooses from manifests and file sizes, read.py) reads every file on every rank,
+checking its sha256 as it reads it (a candidate that fails is passed over for the next), and
 imports it with `relayout.import_state`, so the loader's world size and stage may differ from the
 saver's. RNG states are restored only at an equal world size (rank r gets rank r's).
 """
@@ -271,7 +272,7 @@ class Checkpointer:
         chosen, error = None, None
         if self.topology.rank == 0:
             try:
-                chosen = cread.choose(fs, root, tag, passed)
+                chosen = cread.choose(fs, root, tag, passed, full=False)
             except CheckpointError as e:
                 error = str(e)
             except Exception as e:  # noqa: BLE001 - reported to every rank, none left hanging
@@ -285,22 +286,34 @@ class Checkpointer:
         """(checkpoint path, what _read_state read) of the first candidate every rank can read:
         a file can pass its checksum and still not parse; without a tag the next one is tried."""
         passed: Tuple[str, ...] = ()
+        failed: Optional[str] = None
         while True:
             chosen = self._choose(root, fs, tag, passed)
             if chosen is None:
+                if failed is not None:  # every copy of the tag asked for failed to read
+                    raise CheckpointError(failed)
                 return None, None
             ckpt, error, got = cio.join(root, chosen), None, None
             try:
-                got = _read_state(fs, ckpt, self.topology.rank)
+                got = _read_state(fs, ckpt, self.topology.rank)  # each file's sha256 checked here
             except Exception as e:  # noqa: BLE001 - every rank learns of a failure on any rank
                 error = _load_failure(self.topology.rank, ckpt, e)
             errors = self._errors(error)
             if not errors:
+                if passed:
+                    self._said_instead(fs, root, chosen, passed[0])
                 return ckpt, got
-            if tag is not None:
-                raise CheckpointError(errors[0])
-            self._log(f"{errors[0]}; trying an older checkpoint", logging.WARNING)
+            failed = errors[0]
+            self._log(f"{failed}; trying {'another copy' if tag is not None else 'an older checkpoint'}",
+                      logging.WARNING)
             passed += (chosen,)
+
+    def _said_instead(self, fs, root: str, chosen: str, first: str) -> None:
+        if self.topology.rank == 0:
+            latest, _ = cread.read_latest(fs, root)
+            first_tag = cread.tag_of(first)
+            self._log(f"loading checkpoint {chosen} instead of {first_tag}"
+                      f"{' (latest)' if first_tag == latest else ''}", logging.WARNING)
 
     def load(self, path_or_uri: str, tag: Optional[str] = None, load_optimizer_states: bool = True,
              load_lr_scheduler_states: bool = True, load_module_only: bool = False
