@@ -3,10 +3,10 @@
 How it works: the engine runs the whole forward under `torch.autocast(base dtype)` with the
 parameters already stored in that dtype, so matmuls run in fp16/bf16 without casting weights
 every step, and autocast keeps its fp32 ops (softmax, cross-entropy, ...) in fp32. Modules that
-need another precision (normalisation layers, an `FP16Layer`, a `precision.modules` pattern) get a
-pair of forward hooks that enter a different autocast region around them and cast floating
-inputs to fp32 where that region is fp32. Hooks are only placed where the precision changes, so a
-uniform bf16 model pays for none.
+need another precision (normalisation layers, an `FP16Layer`, a `precision.modules` pattern) get
+their forward wrapped in a different autocast region that casts floating inputs to fp32 where
+that region is fp32. Wrappers are only placed where the precision changes, so a uniform bf16
+model pays for none.
 """
 from __future__ import annotations
 
@@ -93,42 +93,75 @@ def autocast_region(device_type: str, dtype: torch.dtype) -> torch.autocast:
 
 
 class PrecisionRegion:
-    """A pre/post forward-hook pair that runs one module in its own precision.
+    """Runs one module's forward in its own precision: an autocast region around it, floating
+    inputs cast to fp32 where that region is fp32.
 
-    dtype: the module's compute dtype. restore_output: cast floating outputs back to fp32 when the
-    caller is not under autocast (an fp16 layer inside an fp32 model must hand fp32 to the next
-    fp32 layer, or the next matmul fails on mixed dtypes).
+    The module's `forward` is replaced by a `RegionForward` (an instance attribute) that opens
+    the region with a `with` block, rather than a pre/post hook pair that enters and leaves the
+    autocast context in two calls: torch.compile traces a `with torch.autocast` inside the
+    forward, and cannot trace a context entered in one hook and left in another.
+    restore_output: cast floating outputs back to fp32 when the caller is not under autocast
+    (an fp16 layer inside an fp32 model must hand fp32 to the next fp32 layer, or the next
+    matmul fails on mixed dtypes).
     """
 
+    cast_inputs = True
+
     def __init__(self, module: nn.Module, dtype: torch.dtype, restore_output: bool = True):
+        self.module = module
         self.dtype = dtype
         self.restore_output = restore_output
-        self._stack: list = []
-        self._handles = [
-            module.register_forward_pre_hook(self._enter, with_kwargs=True),
-            module.register_forward_hook(self._exit, with_kwargs=True, always_call=True),
-        ]
+        self._forward = RegionForward(self, module.forward)
+        module.forward = self._forward  # type: ignore[method-assign]
 
-    def _enter(self, module: nn.Module, args: tuple, kwargs: dict) -> Tuple[tuple, dict]:
-        device_type = _device_type(module, args)
+    def run(self, inner: Any, args: tuple, kwargs: dict) -> Any:
+        device_type = _device_type(self.module, args)
         outer_autocast = torch.is_autocast_enabled(device_type)
-        ctx = autocast_region(device_type, self.dtype)
-        ctx.__enter__()
-        self._stack.append((ctx, outer_autocast))
-        if self.dtype not in HALF:  # autocast is off inside: inputs must already be fp32
-            args, kwargs = _floating_to(args, self.dtype), _floating_to(kwargs, self.dtype)
-        return args, kwargs
-
-    def _exit(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-        ctx, outer_autocast = self._stack.pop()
-        ctx.__exit__(None, None, None)
+        with autocast_region(device_type, self.dtype):
+            if self.cast_inputs and self.dtype not in HALF:  # autocast is off inside: fp32 inputs
+                args, kwargs = _floating_to(args, self.dtype), _floating_to(kwargs, self.dtype)
+            output = inner(*args, **kwargs)
         if self.restore_output and not outer_autocast and self.dtype in HALF:
             return _floating_to(output, torch.float32)
         return output
 
     def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
+        """Unwrap: wherever the RegionForward sits in the chain of instance-level forwards
+        (activation checkpointing may have wrapped it since), the forward it wrapped takes its place."""
+        unwrap_forward(self.module, self._forward)
+
+
+class RegionForward:
+    """Stands in for a module's `forward`: the original, inside its precision region.
+
+    A callable object rather than a closure, so `copy.deepcopy(model)` rebinds the original
+    forward and the region to the copy."""
+
+    def __init__(self, region: PrecisionRegion, original: Any):
+        self.region = region
+        self.original = original
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.region.run(self.original, args, kwargs)
+
+
+def unwrap_forward(module: nn.Module, wrapper: Any) -> None:
+    """Take `wrapper` out of `module`'s chain of instance-level forwards (each link has
+    `.original`); the class forward is used again when it was the last link."""
+    holder, link = module, module.__dict__.get("forward")
+    while link is not None and link is not wrapper:
+        holder, link = link, getattr(link, "original", None)
+    if link is None:
+        return  # already gone
+    original = wrapper.original
+    is_class_forward = getattr(original, "__self__", None) is module and \
+        getattr(original, "__func__", None) is type(module).forward
+    if holder is module:
+        del module.__dict__["forward"]
+        if not is_class_forward:
+            module.forward = original  # type: ignore[method-assign]
+    else:
+        holder.original = original
 
 
 class HalfActivationNorm(PrecisionRegion):
@@ -139,20 +172,16 @@ class HalfActivationNorm(PrecisionRegion):
     anyway (the residual stream before, the next matmul's input after). Saves four casts of a
     full activation per norm per step (about 5% of a 1.3B GPT step on an H200)."""
 
+    cast_inputs = False
+
     def __init__(self, module: nn.LayerNorm):
         super().__init__(module, torch.float32, restore_output=False)
-        self.module = module
-        module.forward = functools.partial(_half_layer_norm, module)  # instance attribute
-
-    def _enter(self, module: nn.Module, args: tuple, kwargs: dict) -> Tuple[tuple, dict]:
-        ctx = autocast_region(_device_type(module, args), torch.float32)
-        ctx.__enter__()
-        self._stack.append((ctx, True))
-        return args, kwargs
+        self._plain = self._forward.original
+        self._forward.original = functools.partial(_half_layer_norm, module)
 
     def remove(self) -> None:
+        self._forward.original = self._plain  # unwrapping restores the module's own forward
         super().remove()
-        self.module.__dict__.pop("forward", None)
 
 
 def _half_layer_norm(module: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:

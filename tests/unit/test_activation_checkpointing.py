@@ -301,13 +301,14 @@ def test_engine_config_checkpoints_blocks_with_same_grads(base: str) -> None:
     engine, loss, g = engine_grads(TINY, engine_config(base, enabled=True))
     _, ref_loss, g_ref = engine_grads(TINY, engine_config(base))
     assert engine.checkpointing.names == ["blocks.0", "blocks.1"]
-    if base != "fp32" and engine.device.type == "cpu":  # norms inside blocks: fp32 precision hooks
-        assert engine.precision_plan.regions and engine.module.blocks[0].ln1._forward_hooks
+    if base != "fp32" and engine.device.type == "cpu":  # norms inside blocks: fp32 regions
+        assert engine.precision_plan.regions and "forward" in vars(engine.module.blocks[0].ln1)
     assert loss == ref_loss
     # Recompute replays the RNG and the autocast state: the same ops in the same dtypes.
     assert_grads_equal(g, g_ref)
     engine.close()
     assert not any(is_checkpointed(b) for b in engine.module.blocks)
+    assert "forward" not in vars(engine.module.blocks[0].ln1)  # the region unwrapped too
 
 
 def test_engine_cpu_checkpointing_matches(monkeypatch) -> None:

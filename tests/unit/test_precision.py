@@ -33,17 +33,25 @@ def cfg(base: str = "fp32", **precision: object) -> dict:
 
 
 def record(module: nn.Module, seen: Dict[str, object], name: str) -> None:
-    """What `module.forward` sees: input dtype, autocast state and dtype, output dtype."""
-    def pre(_m: nn.Module, args: tuple) -> None:
+    """What the module's own forward sees, inside any precision region the engine wrapped it
+    in: input dtype, autocast state and dtype, output dtype."""
+    holder, link = module, module.__dict__.get("forward")
+    while getattr(link, "original", None) is not None:  # the innermost instance-level wrapper
+        holder, link = link, link.original
+    inner = link if link is not None else module.forward
+
+    def spy(*args: object, **kwargs: object) -> torch.Tensor:
         seen[name + ".in"] = args[0].dtype
         seen[name + ".autocast"] = torch.is_autocast_enabled("cpu")
         seen[name + ".autocast_dtype"] = torch.get_autocast_dtype("cpu")
-
-    def post(_m: nn.Module, _args: tuple, out: torch.Tensor) -> None:
+        out = inner(*args, **kwargs)
         seen[name + ".out"] = out.dtype
+        return out
 
-    module.register_forward_pre_hook(pre)
-    module.register_forward_hook(post)
+    if holder is module:
+        module.forward = spy
+    else:
+        holder.original = spy
 
 
 def train_step(engine: hybrid_ray.Engine, x: torch.Tensor) -> torch.Tensor:
