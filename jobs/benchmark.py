@@ -7,6 +7,7 @@
     python jobs/benchmark.py --suite offload2 # 2 GPUs, 1.3B: DeepSpeed and hybrid ZeRO-2 + CPU offload
     python jobs/benchmark.py --suite pipe-gpu1 # 1 GPU: the GPT as a one-stage PipelineModule
                                                # through train_batch against the plain engine
+    python jobs/benchmark.py --suite compile-gpu1 # 1 GPU: blocks torch.compiled, torch against hybrid ZeRO-0/1/2
     (--profile DIR writes a torch.profiler kernel table and trace of 3 steps per implementation)
 
 A suite launches each implementation with torchrun, one after the other, parses the RESULT line
@@ -60,6 +61,13 @@ SUITES: Dict[str, List[dict]] = {
                       dict(impl="hybrid", stage=2, replicas=4), dict(impl="hybrid", stage=2, replicas=16)],
     "replicas-cpu": [dict(impl="hybrid", stage=2), dict(impl="hybrid", stage=2, replicas=1),
                      dict(impl="hybrid", stage=2, replicas=4)],
+    # Blocks compiled (torch.compile per block, inductor): the engine against compiled torch.
+    "compile-gpu1": [dict(impl="torch"), dict(impl="torch", compile=True),
+                     dict(impl="hybrid", stage=0, compile=True), dict(impl="hybrid", stage=1, compile=True),
+                     dict(impl="hybrid", stage=2, compile=True), dict(impl="hybrid", stage=2)],
+    "compile-gpu1-1.3b": [dict(impl="torch", model="1.3b"), dict(impl="torch", compile=True, model="1.3b"),
+                          dict(impl="hybrid", stage=3, compile=True, model="1.3b"),
+                          dict(impl="hybrid", stage=2, compile=True, model="1.3b")],
     # Optimizer offload (1 GPU): the model still fits without offload, so plain torch is the ceiling.
     "offload1": [dict(impl="torch", model="1.3b"), dict(impl="hybrid", stage=2, offload=True, model="1.3b"),
                  dict(impl="hybrid", stage=2, offload=True, delayed=True, model="1.3b"),
@@ -71,6 +79,8 @@ SUITES: Dict[str, List[dict]] = {
 }
 # The ratio column is against this implementation (default: plain torch or DDP, else the first).
 BASELINE = {"zero3-gpu2-1.3b": "fsdp2", "offload2": "deepspeed"}
+# ... and among several rows of that implementation, the one with these settings.
+BASELINE_SETTINGS = {"compile-gpu1": {"compile": True}, "compile-gpu1-1.3b": {"compile": True}}
 
 
 def parse() -> argparse.Namespace:
@@ -86,6 +96,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--bucket", type=float, default=5e7, help="hybrid reduce_bucket_size (elements)")
     p.add_argument("--offload", action="store_true", help="hybrid/deepspeed: optimizer offload to the CPU")
+    p.add_argument("--compile", action="store_true",
+                   help="torch/ddp/hybrid: torch.compile each transformer block (inductor)")
     p.add_argument("--replicas", type=int, default=0,
                    help="hybrid: buddy replicas, a copy every this many steps (0: none)")
     p.add_argument("--delayed-update", action="store_true",
@@ -94,7 +106,8 @@ def parse() -> argparse.Namespace:
                    help="hybrid: precision.norm_activations (default: the engine's)")
     p.add_argument("--nproc", type=int, default=None)
     p.add_argument("--peak", type=float, default=989e12, help="dense bf16 FLOP/s per GPU for MFU")
-    p.add_argument("--out", default=None, help="append result lines (JSON) to this file")
+    p.add_argument("--out", default=None, help="append result lines (JSON) to this file (a suite's "
+                   "default: benchmarks/runs/DATE-SUITE.jsonl)")
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="with --measure: after timing, profile 3 steps on rank 0 and write a kernel table there")
     return p.parse_args()
@@ -220,6 +233,9 @@ def measure(a: argparse.Namespace) -> None:
         model = GPT(cfg).to(device)
     n_params = sum(p.numel() for p in model.parameters())
     step = make_step(a, model, device)
+    if a.compile:  # after the engine laid the parameters out: compilation is lazy anyway
+        for block in model.blocks:
+            block.compile()
     g = torch.Generator(device=device).manual_seed(rank)
     x = torch.randint(0, cfg.vocab_size, (a.mbs, cfg.seq_len), device=device, generator=g)
     y = torch.randint(0, cfg.vocab_size, (a.mbs, cfg.seq_len), device=device, generator=g)
@@ -239,7 +255,7 @@ def measure(a: argparse.Namespace) -> None:
     flops_tok = 6 * n_params + 12 * cfg.n_layer * cfg.d_model * cfg.seq_len
     sharded = a.impl in ("hybrid", "hybrid-pipe", "deepspeed")  # fsdp2 reports no stage
     res = dict(impl=a.impl, stage=a.stage if sharded else None,
-               offload=a.offload and sharded, delayed_update=a.delayed_update and a.offload and sharded,
+               offload=a.offload and sharded, compile=a.compile, delayed_update=a.delayed_update and a.offload and sharded,
                model=a.model or "cpu-small", dtype=a.dtype, world=world, mbs=a.mbs,
                params_m=round(n_params / 1e6, 1), step_ms=round(dt * 1e3, 2), tok_s_gpu=round(tok / dt),
                mfu=round(flops_tok * tok / dt / a.peak, 4) if cuda else None,
@@ -264,6 +280,7 @@ def _profile(a: argparse.Namespace, step: Callable, x: torch.Tensor, y: torch.Te
         return
     os.makedirs(a.profile, exist_ok=True)
     name = f"{a.impl}{a.stage if a.impl in ('hybrid', 'hybrid-pipe', 'deepspeed') else ''}_{a.model}"
+    name += "_compiled" if a.compile else ""
     sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
     with open(os.path.join(a.profile, f"{name}.txt"), "w") as f:
         f.write(prof.key_averages().table(sort_by=sort, row_limit=60, max_name_column_width=70))
@@ -285,6 +302,9 @@ def run_suite(a: argparse.Namespace) -> None:
     count = re.search(r"(?:gpu|offload)(\d+)", a.suite)  # gpu2, zero3-gpu2-1.3b, offload1
     nproc = a.nproc or ((int(count.group(1)) if count else 1) if gpu else 2)
     results = []
+    out = a.out or os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks",
+                                "runs", f"{time.strftime('%Y-%m-%d')}-{a.suite}.jsonl")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
     for spec in SUITES[a.suite]:
         if spec["impl"] == "deepspeed" and not _has("deepspeed"):
             print("# deepspeed not installed: skipped", flush=True)
@@ -294,16 +314,17 @@ def run_suite(a: argparse.Namespace) -> None:
         res = _launch(a, spec, nproc, gpu)
         if res:
             results.append(res)
-            if a.out:
-                with open(a.out, "a") as f:
-                    f.write(json.dumps(res) + "\n")
-    print_table(results, BASELINE.get(a.suite))
+            with open(out, "a") as f:
+                f.write(json.dumps(res) + "\n")
+    print_table(results, BASELINE.get(a.suite), BASELINE_SETTINGS.get(a.suite, {}))
+    print(f"# rows appended to {out}", flush=True)
 
 
 def _launch(a: argparse.Namespace, spec: dict, nproc: int, gpu: bool) -> Optional[dict]:
     args = ["--measure", "--impl", spec["impl"], "--stage", str(spec.get("stage", 1)),
             *(["--offload"] if spec.get("offload") else []),
             *(["--delayed-update"] if spec.get("delayed") else []),
+            *(["--compile"] if spec.get("compile") else []),
             "--replicas", str(spec.get("replicas", 0)),
             "--dtype", a.dtype or ("bf16" if gpu else "fp32"), "--mbs", str(a.mbs or (8 if gpu else 4)),
             "--steps", str(a.steps or (30 if gpu else 10)), "--warmup", str(a.warmup or (8 if gpu else 3)),
@@ -326,16 +347,19 @@ def _launch(a: argparse.Namespace, spec: dict, nproc: int, gpu: bool) -> Optiona
     return None
 
 
-def print_table(results: List[dict], baseline: Optional[str] = None) -> None:
+def print_table(results: List[dict], baseline: Optional[str] = None, settings: Optional[dict] = None) -> None:
     if not results:
         return
     wanted = (baseline,) if baseline else ("torch", "ddp")
-    base = next((r for r in results if r["impl"] in wanted), results[0])
+    settings = settings or {}
+    base = next((r for r in results if r["impl"] in wanted
+                 and all(r.get(k) == v for k, v in settings.items())), results[0])
     print(f"\n{'implementation':<30}{'tokens/s/GPU':>14}{'ratio':>8}{'step ms':>10}{'MFU':>8}{'peak GiB':>10}")
     for r in results:
         name = r["impl"] + (f" ZeRO-{r['stage']}" if r["stage"] is not None else "")
         name += (" +offload" if r.get("offload") else "") + (" DPU" if r.get("delayed_update") else "")
         name += " half-norm" if r.get("norm_activations") == "half" else ""
+        name += " compiled" if r.get("compile") else ""
         name += f" replicas/{r['replicas']}" if r.get("replicas") else ""
         mfu = f"{r['mfu'] * 100:.1f}%" if r["mfu"] is not None else "-"
         mem = r["peak_mem_gb"] if r["peak_mem_gb"] is not None else "-"

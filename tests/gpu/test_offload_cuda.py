@@ -158,3 +158,28 @@ def test_two_gpus_offload_matches_fused_adamw(tmp_path: Path) -> None:
         assert all(torch.equal(ranks[0][n], ranks[1][n]) for n in ref), (stage, delayed)
         err = max_rel_err(ranks[0], ref)
         assert err < 1e-5, (stage, gas, delayed, err)
+
+
+@pytest.mark.parametrize("delayed", [False, True], ids=["plain", "delayed"])
+def test_persistent_host_buffers_are_page_locked_at_their_exact_size(delayed: bool) -> None:
+    """Masters, master gradients and the delayed update's staging are registered host memory of
+    exactly their size (torch's caching host allocator would round each up to a power of two),
+    copies from them stay asynchronous, and close() unregisters them."""
+    torch.manual_seed(0)
+    topo = Topology(0, 1, torch.device("cuda", 0))
+    engine = Engine(GPT(CFG), config(2, delayed=delayed, precision="bf16"), topology=topo)
+    for step in range(3):
+        engine.backward(engine(*batch(step, 0, 0, topo.device)))
+        engine.step()
+    engine.finish_delayed_update()
+    offload = engine.zero.offload
+    masters = engine.zero.masters
+    assert all(m.is_pinned() for m in masters)
+    assert all(g.is_pinned() for s in offload._grad_sets for g in s.values())
+    exact = sum(m.numel() * 4 for m in masters) + offload.grad_bytes()
+    if delayed:  # + one bf16 staging copy per master
+        exact += sum(m.numel() * 2 for m in masters)
+    assert offload.pinned_bytes() == exact
+    assert engine.memory_breakdown()["host_pinned"] == exact
+    engine.close()
+    assert offload.pinned_bytes() == 0 and not masters[0].is_pinned()

@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 
 from hybrid_ray.config.sections import OffloadConfig
+from .pinned import PinnedRegistry
 
 log = logging.getLogger("hybrid_ray")
 
@@ -73,6 +74,8 @@ class HostOffload:
         self._grad_sets: List[Dict[int, torch.Tensor]] = [{} for _ in range(2 if delayed else 1)]
         self._current = 0
         self.runner = BackgroundStep() if delayed else None
+        self.pinned = PinnedRegistry() if self.pin else None  # persistent buffers, exact sizes
+        self._staging: Dict[tuple, torch.Tensor] = {}  # upload staging, one per (key, dtype)
         if self.transfers:
             configure_host_threads()
 
@@ -85,17 +88,26 @@ class HostOffload:
 
     # ---- host tensors -----------------------------------------------------------------
     def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A host tensor, pinned when pin_memory is set and there is a CUDA device to copy to.
+        """A transient host tensor, pinned when pin_memory is set and there is a CUDA device.
 
-        Pinned tensors come from torch's caching host allocator, which rounds each block up to
-        a power of two: reused transient buffers cost nothing, large persistent ones may
-        reserve up to twice their size of page-locked memory.
+        From torch's caching host allocator: it rounds blocks up to a power of two, which costs
+        nothing for buffers that are freed and reused; persistent ones use `persistent`.
         """
         return torch.empty(numel, dtype=dtype, device="cpu", pin_memory=self.pin)
 
+    def persistent(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A host tensor kept for the engine's life: page-locked at exactly its size (pinned.py)."""
+        if self.pinned is None:
+            return torch.empty(numel, dtype=dtype, device="cpu")
+        return self.pinned.empty(numel, dtype)
+
+    def pinned_bytes(self) -> int:
+        """Page-locked host bytes this offload registered (its persistent buffers)."""
+        return self.pinned.nbytes if self.pinned is not None else 0
+
     def to_host(self, tensor: torch.Tensor) -> torch.Tensor:
         """A persistent host copy of `tensor` (a new buffer even on a CPU engine)."""
-        out = self.empty(tensor.numel(), tensor.dtype)
+        out = self.persistent(tensor.numel(), tensor.dtype)
         out.copy_(tensor.reshape(-1))
         return out.view_as(tensor)
 
@@ -103,7 +115,7 @@ class HostOffload:
         """The fp32 host master gradient for `key` in the current window (persistent)."""
         buffers = self._grad_sets[self._current]
         if key not in buffers:
-            buffers[key] = self.empty(numel, torch.float32)
+            buffers[key] = self.persistent(numel, torch.float32)
         return buffers[key]
 
     def flip_grad_buffers(self) -> None:
@@ -161,6 +173,19 @@ class HostOffload:
         out.copy_(src.reshape(-1))
         return out
 
+    def stage_whole(self, key: int, src: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """`stage` for a whole master shard (the delayed update casts off the main thread), into
+        a persistent buffer per master: a transient one that large would stay cached by torch's
+        host allocator at twice its size. One per master, not double-buffered: the next cast
+        into it comes after `wait_uploads`."""
+        if not self.transfers or (src.dtype == dtype and src.is_pinned()):
+            return src
+        buf = self._staging.get((key, dtype))
+        if buf is None or buf.numel() != src.numel():
+            buf = self._staging[(key, dtype)] = self.persistent(src.numel(), dtype)
+        buf.copy_(src.reshape(-1))
+        return buf
+
     def upload(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Copy host values into a device tensor (queued on the current stream, non_blocking)."""
         if dst.device == src.device:
@@ -183,6 +208,11 @@ class HostOffload:
     def close(self) -> None:
         if self.runner is not None:
             self.runner.close()
+        if self.pinned is not None:
+            if self.transfers:
+                torch.cuda.synchronize(self.device)  # no copy may still read a buffer
+            self._staging.clear()
+            self.pinned.release()
 
 
 class BackgroundStep:

@@ -164,8 +164,8 @@ class ZeroOptimizer:
         if self.offload is not None and self.offload.delayed:
             # Cast for the upload here, off the main thread; write_back then only copies.
             with torch.no_grad():
-                self._sources = [self.offload.stage(m.detach(), s.dtype)
-                                 for s, m in zip(self.spaces, self.masters)]
+                self._sources = [self.offload.stage_whole(i, m.detach(), s.dtype)
+                                 for i, (s, m) in enumerate(zip(self.spaces, self.masters))]
 
     def flush(self) -> None:
         """Delayed update: wait for the update in flight and copy it into the parameters.
@@ -199,7 +199,7 @@ class ZeroOptimizer:
         }
         if self.offload is not None:
             out.update(host_master_params=out["master_params"], host_master_grads=self.offload.grad_bytes(),
-                       host_optimizer_state=out["optimizer_state"],
+                       host_optimizer_state=out["optimizer_state"], host_pinned=self.offload.pinned_bytes(),
                        master_params=0, master_grads=0, optimizer_state=0)
         return out
 

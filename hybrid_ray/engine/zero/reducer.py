@@ -162,7 +162,10 @@ class GradReducer:
         # Buckets travel from the hooks when they must be reduced, or (offload) copied to the host.
         self.streams = self.distributed or offload is not None
         self.overlap = options.overlap and self.streams
-        self.use_reduce_scatter = options.reduce_scatter
+        # gloo's reduce-scatter takes about twice as long as its all-reduce of the same tensor
+        # (2 CPU ranks, 5.3M fp32 elements: 30.6 ms against 16.5 ms); there the all-reduce is
+        # the faster way to the same slice. NCCL's reduce-scatter moves half the bytes.
+        self.use_reduce_scatter = options.reduce_scatter and topo.backend != "gloo"
         # Residuals of a compressor switched away from, added into each bucket's next reduction.
         self.carry: Dict[BucketKey, torch.Tensor] = {}
         self.compressor = None
