@@ -365,7 +365,7 @@ def print_table(results: List[dict], baseline: Optional[str] = None, settings: O
         mem = r["peak_mem_gb"] if r["peak_mem_gb"] is not None else "-"
         print(f"{name:<30}{r['tok_s_gpu']:>14,}{r['tok_s_gpu'] / base['tok_s_gpu']:>8.3f}"
               f"{r['step_ms']:>10}{mfu:>8}{mem:>10}")
-    print(f"(ratio against {base['impl']}; model {base['model']}, {base['dtype']}, world {base['world']})")
+    print(f"(ratio against {base['impl']}{' compiled' if base.get('compile') else ''}; model {base['model']}, {base['dtype']}, world {base['world']})")
 
 
 def _has(module: str) -> bool:
