@@ -43,7 +43,10 @@ SUITES: Dict[str, List[dict]] = {
     "gpu2": [dict(impl="ddp"), dict(impl="hybrid", stage=1), dict(impl="hybrid", stage=2),
              dict(impl="deepspeed", stage=2)],
     "cpu": [dict(impl="ddp"), dict(impl="hybrid", stage=1), dict(impl="hybrid", stage=2),
-            dict(impl="hybrid", stage=0)],
+            dict(impl="hybrid", stage=0),
+            # the parameter all-gather overlapped with the next forward, over 1M-element buckets
+            dict(impl="hybrid", stage=1, overlap_gather=True, bucket=1e6),
+            dict(impl="hybrid", stage=2, overlap_gather=True, bucket=1e6)],
     # ZeRO-3: against plain torch / DDP and FSDP2 (fully_shard per block, reshard after forward).
     "zero3-gpu1": [dict(impl="torch"), dict(impl="hybrid", stage=3), dict(impl="fsdp2"),
                    dict(impl="deepspeed", stage=3)],
@@ -96,6 +99,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--bucket", type=float, default=5e7, help="hybrid reduce_bucket_size (elements)")
     p.add_argument("--offload", action="store_true", help="hybrid/deepspeed: optimizer offload to the CPU")
+    p.add_argument("--overlap-gather", action="store_true",
+                   help="hybrid stages 1-2: zero_optimization.overlap_param_gather")
     p.add_argument("--compile", action="store_true",
                    help="torch/ddp/hybrid: torch.compile each transformer block (inductor)")
     p.add_argument("--replicas", type=int, default=0,
@@ -156,7 +161,8 @@ def _hybrid_step(a: argparse.Namespace, model: nn.Module) -> Callable:
     import hybrid_ray
     cfg = {"train_micro_batch_size_per_gpu": a.mbs, "gradient_clipping": CLIP,
            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}},
-           "zero_optimization": {"stage": a.stage, "reduce_bucket_size": int(a.bucket)}}
+           "zero_optimization": {"stage": a.stage, "reduce_bucket_size": int(a.bucket),
+                                 "overlap_param_gather": a.overlap_gather}}
     if a.offload:
         cfg["zero_optimization"]["offload_optimizer"] = {
             "device": "cpu", "pin_memory": True, "delayed_param_update": a.delayed_update}
@@ -255,7 +261,8 @@ def measure(a: argparse.Namespace) -> None:
     flops_tok = 6 * n_params + 12 * cfg.n_layer * cfg.d_model * cfg.seq_len
     sharded = a.impl in ("hybrid", "hybrid-pipe", "deepspeed")  # fsdp2 reports no stage
     res = dict(impl=a.impl, stage=a.stage if sharded else None,
-               offload=a.offload and sharded, compile=a.compile, delayed_update=a.delayed_update and a.offload and sharded,
+               offload=a.offload and sharded, compile=a.compile,
+               overlap_gather=a.overlap_gather and a.impl == "hybrid", bucket=a.bucket if sharded else None, delayed_update=a.delayed_update and a.offload and sharded,
                model=a.model or "cpu-small", dtype=a.dtype, world=world, mbs=a.mbs,
                params_m=round(n_params / 1e6, 1), step_ms=round(dt * 1e3, 2), tok_s_gpu=round(tok / dt),
                mfu=round(flops_tok * tok / dt / a.peak, 4) if cuda else None,
@@ -325,10 +332,11 @@ def _launch(a: argparse.Namespace, spec: dict, nproc: int, gpu: bool) -> Optiona
             *(["--offload"] if spec.get("offload") else []),
             *(["--delayed-update"] if spec.get("delayed") else []),
             *(["--compile"] if spec.get("compile") else []),
+            *(["--overlap-gather"] if spec.get("overlap_gather") else []),
             "--replicas", str(spec.get("replicas", 0)),
             "--dtype", a.dtype or ("bf16" if gpu else "fp32"), "--mbs", str(a.mbs or (8 if gpu else 4)),
             "--steps", str(a.steps or (30 if gpu else 10)), "--warmup", str(a.warmup or (8 if gpu else 3)),
-            "--bucket", str(a.bucket), "--peak", str(a.peak)]
+            "--bucket", str(spec.get("bucket", a.bucket)), "--peak", str(a.peak)]
     if a.profile:
         args += ["--profile", a.profile]
     if a.norm_activations or spec.get("norm_activations"):
@@ -360,6 +368,7 @@ def print_table(results: List[dict], baseline: Optional[str] = None, settings: O
         name += (" +offload" if r.get("offload") else "") + (" DPU" if r.get("delayed_update") else "")
         name += " half-norm" if r.get("norm_activations") == "half" else ""
         name += " compiled" if r.get("compile") else ""
+        name += f" overlap-gather/{r['bucket']:.0e}" if r.get("overlap_gather") else ""
         name += f" replicas/{r['replicas']}" if r.get("replicas") else ""
         mfu = f"{r['mfu'] * 100:.1f}%" if r["mfu"] is not None else "-"
         mem = r["peak_mem_gb"] if r["peak_mem_gb"] is not None else "-"

@@ -107,6 +107,11 @@ class ZeroConfig:
     either way: gloo's reduce-scatter takes about twice as long as its all-reduce."""
     reduce_bucket_size: int = checked(50_000_000, ge=1)
     """Elements reduced at a time."""
+    overlap_param_gather: bool = False
+    """Stages 1-2: leave the all-gather of updated parameters in flight when the step returns
+    and wait for each bucket just before the forward of the first module that uses it.
+    Parameters read outside a module's forward, state_dict() or an engine method need
+    `engine.finish_delayed_update()` first (see engine/zero/overlap.py)."""
     contiguous_gradients: bool = True
     """Copy gradients into one contiguous buffer as they are produced."""
     offload_optimizer: OffloadConfig = checked(default_factory=OffloadConfig, null_is_default=True)

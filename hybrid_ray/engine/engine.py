@@ -45,6 +45,7 @@ from .schedulers import build_scheduler
 from .topology import Topology
 from .zero import partition as zero_partition, relayout, stage3
 from .zero.optimizer import StepOutcome, ZeroOptimizer
+from .zero.overlap import ParamGatherOverlap
 
 log = logging.getLogger("hybrid_ray")
 
@@ -127,6 +128,8 @@ class Engine(EngineLifecycle, EngineState, DeepSpeedAccessors, PipelineBatches):
                                    reduction_setup(self.config), offload)
         self.zero = ZeroOptimizer(self.spaces, self.reducer, topo)
         self.zero.norm_excluded = set(self._norm_once)
+        if zc.overlap_param_gather and zc.stage in (1, 2) and topo.world_size > 1:
+            self.zero.gather_overlap = ParamGatherOverlap(self.module, self.spaces)
         self.stage3: Optional[stage3.Stage3Controller] = None
         if partition_params:  # after the masters are built from the whole parameters
             self.stage3 = stage3.build_controller(self.spaces, unit_of_space, unit_mods, topo,
@@ -316,8 +319,9 @@ class Engine(EngineLifecycle, EngineState, DeepSpeedAccessors, PipelineBatches):
 
     def finish_delayed_update(self) -> None:
         """With `offload_optimizer.delayed_param_update`, land the update still running on the
-        host, so the parameters are those of the last step; call before reading, evaluating or
-        saving the weights. A no-op otherwise. Collective: every rank calls it."""
+        host, so the parameters are those of the last step; with `overlap_param_gather`, wait
+        for the parameter all-gathers in flight. Call before reading the weights outside a
+        forward or an engine method. A no-op otherwise. Collective: every rank calls it."""
         self.zero.flush()
 
     def compression_stats(self) -> dict:

@@ -186,6 +186,8 @@ class EngineLifecycle:
             self.topology = dataclasses.replace(self.topology, group=None, model_group=None)
 
     def _remove_hooks(self) -> None:
+        if self.zero.gather_overlap is not None:
+            self.zero.gather_overlap.remove()
         self.precision_plan.remove()
         self.reducer.remove_hooks()
         if self.stage3 is not None:

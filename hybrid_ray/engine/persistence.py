@@ -21,6 +21,8 @@ class EngineState:
         fp32 masters, for export: works at every stage, gathering one flat space at a time, and
         with the model split (tensor parallelism, stages) under the unsplit model's names.
         All ranks must call it."""
+        if self.zero.gather_overlap is not None:
+            self.zero.gather_overlap.settle()  # the caller may read the live parameters next
         mesh, layout = self.topology.mesh, self._pipe_layout()
         split = mesh is not None or layout is not None
         state = relayout.consolidated_state_dict(self.module, self.spaces, self.zero.masters,

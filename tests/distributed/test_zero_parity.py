@@ -30,6 +30,9 @@ SCENARIOS: Dict[str, Tuple[int, int, float, dict]] = {
     "s2_acc_clip": (2, 3, 0.05, {}),
     "s2_no_overlap_allreduce": (2, 2, 0.0, {"overlap_comm": False, "reduce_scatter": False}),
     "s1_one_bucket": (1, 1, 0.05, {"reduce_bucket_size": 10**9}),
+    # The parameter all-gather left in flight and waited for by each module's forward.
+    "s1_overlap_gather": (1, 1, 0.05, {"overlap_param_gather": True}),
+    "s2_overlap_gather_acc": (2, 2, 0.0, {"overlap_param_gather": True}),
     # Gradients reduced in half precision (seed 4.1): close to, not equal to, the fp32 reference.
     "s1_bf16_reduce": (1, 1, 0.0, {"communication_data_type": "bf16"}),
     "s2_fp16_reduce": (2, 2, 0.05, {"communication_data_type": "fp16"}),
@@ -44,7 +47,7 @@ SCENARIOS.update({
     "s3_checkpointed": (3, 2, 0.05, {**S3, "activation_checkpointing": {"enabled": True}}),
 })
 HALF_REDUCE_TOLERANCE = {"s1_bf16_reduce": 1e-1, "s2_fp16_reduce": 5e-2}  # observed <= 4e-2, 2.3e-2
-FOUR_RANKS = ["s0_acc_clip", "s1", "s2_acc_clip", "s2_fp16_reduce", "s3_acc_clip"]
+FOUR_RANKS = ["s0_acc_clip", "s1", "s2_acc_clip", "s2_fp16_reduce", "s3_acc_clip", "s2_overlap_gather_acc"]
 
 
 def batch(step: int, k: int, rank: int, world: int) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from .. import comm
 from .flat import FlatSpace
 from .offload import frozen_hyperparameters
+from .overlap import ParamGatherOverlap
 from .reducer import GradReducer
 from ..topology import Topology
 
@@ -61,6 +62,8 @@ class ZeroOptimizer:
         # What the next write_back copies from, per space (shard layout), when an update
         # prepared it (delayed update: the background thread); None: the masters themselves.
         self._sources: Optional[List[torch.Tensor]] = None
+        # overlap_param_gather: the engine sets this; write_back then leaves the gathers to it.
+        self.gather_overlap: Optional[ParamGatherOverlap] = None
 
     @property
     def master_device(self) -> torch.device:
@@ -170,8 +173,11 @@ class ZeroOptimizer:
     def flush(self) -> None:
         """Delayed update: wait for the update in flight and copy it into the parameters.
 
+        With overlap_param_gather, also waits for the parameter all-gathers still in flight.
         A no-op otherwise. Collective (write_back all-gathers): every rank calls it together.
         """
+        if self.gather_overlap is not None:
+            self.gather_overlap.settle()
         if self.offload is not None and self.offload.runner is not None and self.offload.runner.wait():
             self.write_back()
 
@@ -205,22 +211,38 @@ class ZeroOptimizer:
 
     @torch.no_grad()
     def write_back(self) -> None:
-        """Copy masters into the rank's slices of the flat params, then all-gather buckets."""
+        """Copy masters into the rank's slices of the flat params, then all-gather each bucket
+        (with overlap_param_gather: in forward order, left in flight, see overlap.py). Each
+        bucket's gather is issued right after its copy, so an offloaded upload of the next
+        bucket overlaps the gather of this one."""
+        overlap = self.gather_overlap
+        if overlap is not None:
+            overlap.settle()  # the last step's gathers still write into the buffers
         sources = self._sources or [m.detach() for m in self.masters]
         self._sources = None
+        slices = {(si, bucket.index): (space, source, bucket, lo, hi, off)
+                  for si, (space, source) in enumerate(zip(self.spaces, sources))
+                  for bucket, lo, hi, off in space.shard_slices()}
+        keys = list(slices)
+        if overlap is not None:
+            rank = {key: pos for pos, key in enumerate(overlap.order)}
+            keys.sort(key=lambda k: rank.get(k, -1))  # unsharded and stage-3 slices first
         works = []
-        for space, source in zip(self.spaces, sources):
-            for bucket, lo, hi, off in space.shard_slices():
-                if space.local_shard is not None:  # stage 3: only the shard persists
-                    self.copy_into(space.local_shard[off:off + hi - lo], source[off:off + hi - lo])
-                    continue
-                self.copy_into(space.flat[lo:hi], source[off:off + hi - lo])
-                if space.num_shards > 1:
-                    whole = space.flat[bucket.start:bucket.start + bucket.numel]
-                    works.append(comm.all_gather(whole, space.flat[lo:hi], group=self.topo.group,
-                                                async_op=True))
+        for key in keys:
+            space, source, bucket, lo, hi, off = slices[key]
+            if space.local_shard is not None:  # stage 3: only the shard persists
+                self.copy_into(space.local_shard[off:off + hi - lo], source[off:off + hi - lo])
+                continue
+            self.copy_into(space.flat[lo:hi], source[off:off + hi - lo])
+            if space.num_shards > 1:
+                whole = space.flat[bucket.start:bucket.start + bucket.numel]
+                works.append(comm.all_gather(whole, space.flat[lo:hi], group=self.topo.group,
+                                            async_op=True))
         if self.offload is not None:
             self.offload.uploads_done()
+        if overlap is not None:
+            overlap.start(works)
+            return
         for w in works:
             w.wait()
 
