@@ -94,14 +94,15 @@ def build_optimizer(opt_type: str, params: Dict[str, Any], master_groups: List[L
     """The config's optimizer over the fp32 masters, with the fastest implementation.
 
     Each master is one flat tensor, so even the foreach path is a handful of kernels; on CUDA
-    the fused kernel does the whole update in one launch per dtype/device. An offloaded step
-    (`host_step`) uses torch's fused CPU kernel, several times faster there (zero/offload.py).
+    the fused kernel does the whole update in one launch per dtype/device. A step on the CPU
+    (offloaded, or a CPU engine) uses torch's fused CPU kernel where it has one, several times
+    faster there than foreach (zero/offload.py).
     """
     cls = OPTIMIZERS[opt_type]
     kwargs = dict(params)
     if "betas" in kwargs:
         kwargs["betas"] = tuple(kwargs["betas"])
-    kwargs.update(cpu_optimizer_kwargs(cls) if host_step else _implementation(device))
+    kwargs.update(cpu_optimizer_kwargs(cls) if host_step or device.type == "cpu" else _implementation(device))
     groups = [dict(hyper, params=ms) for ms, hyper in zip(master_groups, hypers) if ms]
     return cls(groups, **kwargs)
 

@@ -259,11 +259,11 @@ class ZeroOptimizer:
 
 
 _ROW = 1 << 16
-_ROWS_FROM = 1 << 24  # smaller tensors take the exact fp64 path: cheap at that size
+_ROWS_FROM = 1 << 20  # smaller tensors take the exact fp64 path: cheap at that size
 
 
 def _cpu_square_sum(grads: List[torch.Tensor]) -> torch.Tensor:
-    """Sum of squares of large CPU tensors (offloaded gradients), accurate and multi-threaded.
+    """Sum of squares of large CPU tensors (offloaded gradients, CPU engines), accurate and multi-threaded.
 
     torch's CPU norm of one long tensor either accumulates naively in fp32 (1e-2 relative
     error at 64M elements) or, asked for fp64, runs on one core (1.7 s for 1.3B elements on a
