@@ -110,6 +110,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--norm-activations", choices=["fp32", "half"], default=None,
                    help="hybrid: precision.norm_activations (default: the engine's)")
     p.add_argument("--nproc", type=int, default=None)
+    p.add_argument("--repeat", type=int, default=1,
+                   help="run the suite this many rounds, interleaved, and report each "
+                        "implementation's median (for noisy shared machines)")
     p.add_argument("--peak", type=float, default=989e12, help="dense bf16 FLOP/s per GPU for MFU")
     p.add_argument("--out", default=None, help="append result lines (JSON) to this file (a suite's "
                    "default: benchmarks/runs/DATE-SUITE.jsonl)")
@@ -308,23 +311,41 @@ def run_suite(a: argparse.Namespace) -> None:
     gpu = not a.suite.endswith("cpu")  # cpu, replicas-cpu: two gloo ranks on this machine
     count = re.search(r"(?:gpu|offload)(\d+)", a.suite)  # gpu2, zero3-gpu2-1.3b, offload1
     nproc = a.nproc or ((int(count.group(1)) if count else 1) if gpu else 2)
-    results = []
     out = a.out or os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks",
                                 "runs", f"{time.strftime('%Y-%m-%d')}-{a.suite}.jsonl")
     os.makedirs(os.path.dirname(out), exist_ok=True)
-    for spec in SUITES[a.suite]:
-        if spec["impl"] == "deepspeed" and not _has("deepspeed"):
-            print("# deepspeed not installed: skipped", flush=True)
-            continue
-        if spec["impl"] == "torch" and nproc > 1:
-            continue
-        res = _launch(a, spec, nproc, gpu)
-        if res:
-            results.append(res)
-            with open(out, "a") as f:
-                f.write(json.dumps(res) + "\n")
+    rounds: List[List[dict]] = []
+    for r in range(a.repeat):
+        rounds.append([])
+        for spec in SUITES[a.suite]:
+            if spec["impl"] == "deepspeed" and not _has("deepspeed"):
+                print("# deepspeed not installed: skipped", flush=True)
+                continue
+            if spec["impl"] == "torch" and nproc > 1:
+                continue
+            res = _launch(a, spec, nproc, gpu)
+            if res:
+                res["round"] = r
+                rounds[-1].append(res)
+                with open(out, "a") as f:
+                    f.write(json.dumps(res) + "\n")
+    results = rounds[0] if a.repeat == 1 else _medians(rounds)
     print_table(results, BASELINE.get(a.suite), BASELINE_SETTINGS.get(a.suite, {}))
+    if a.repeat > 1:
+        print(f"(median of {a.repeat} interleaved rounds per implementation; each round's ratios:)")
+        for i, row in enumerate(results):
+            ratios = [r[i]["tok_s_gpu"] / r[0]["tok_s_gpu"] for r in rounds if i < len(r)]
+            print(f"  {row['impl']} {row.get('stage')}: " + " ".join(f"{x:.3f}" for x in ratios))
     print(f"# rows appended to {out}", flush=True)
+
+
+def _medians(rounds: List[List[dict]]) -> List[dict]:
+    """Per implementation (position in the suite), the round with its median throughput."""
+    out = []
+    for i in range(max(len(r) for r in rounds)):
+        rows = sorted((r[i] for r in rounds if i < len(r)), key=lambda row: row["tok_s_gpu"])
+        out.append(rows[len(rows) // 2])
+    return out
 
 
 def _launch(a: argparse.Namespace, spec: dict, nproc: int, gpu: bool) -> Optional[dict]:
