@@ -25,7 +25,7 @@ import re
 import subprocess
 import sys
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Callable, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -37,53 +37,7 @@ from hybrid_ray.models import GPT, GPT_SIZES, GPTConfig  # noqa: E402
 LR, WD, CLIP = 3e-4, 0.1, 1.0
 CPU_MODEL = GPTConfig(n_layer=4, n_head=4, d_model=256, vocab_size=8192, seq_len=256)
 
-SUITES: Dict[str, List[dict]] = {
-    "gpu1": [dict(impl="torch"), dict(impl="hybrid", stage=1), dict(impl="hybrid", stage=2),
-             dict(impl="hybrid", stage=0), dict(impl="deepspeed", stage=2)],
-    "gpu2": [dict(impl="ddp"), dict(impl="hybrid", stage=1), dict(impl="hybrid", stage=2),
-             dict(impl="deepspeed", stage=2)],
-    "cpu": [dict(impl="ddp"), dict(impl="hybrid", stage=1), dict(impl="hybrid", stage=2),
-            dict(impl="hybrid", stage=0),
-            # the parameter all-gather overlapped with the next forward, over 1M-element buckets
-            dict(impl="hybrid", stage=1, overlap_gather=True, bucket=1e6),
-            dict(impl="hybrid", stage=2, overlap_gather=True, bucket=1e6)],
-    # ZeRO-3: against plain torch / DDP and FSDP2 (fully_shard per block, reshard after forward).
-    "zero3-gpu1": [dict(impl="torch"), dict(impl="hybrid", stage=3), dict(impl="fsdp2"),
-                   dict(impl="deepspeed", stage=3)],
-    "zero3-gpu2": [dict(impl="ddp"), dict(impl="hybrid", stage=3), dict(impl="fsdp2"),
-                   dict(impl="deepspeed", stage=3)],
-    "zero3-gpu2-1.3b": [dict(impl="fsdp2", model="1.3b"), dict(impl="hybrid", stage=3, model="1.3b"),
-                        dict(impl="hybrid", stage=3, model="1.3b", norm_activations="half")],
-    # The pipeline path at one stage (PipelineModule + train_batch) costs nothing over the engine.
-    "pipe-gpu1": [dict(impl="torch"), dict(impl="hybrid", stage=1), dict(impl="hybrid-pipe", stage=1),
-                  dict(impl="hybrid", stage=2), dict(impl="hybrid-pipe", stage=2)],
-    # Buddy replicas (fault_tolerance, mode copy): step time with the shard copied to host memory
-    # every step / every 4 / 16 steps, against none. At one GPU there is no buddy to send to:
-    # this times the device-to-host copy; on the CPU suite two ranks also exchange their copies.
-    "replicas-gpu1": [dict(impl="hybrid", stage=2), dict(impl="hybrid", stage=2, replicas=1),
-                      dict(impl="hybrid", stage=2, replicas=4), dict(impl="hybrid", stage=2, replicas=16)],
-    "replicas-cpu": [dict(impl="hybrid", stage=2), dict(impl="hybrid", stage=2, replicas=1),
-                     dict(impl="hybrid", stage=2, replicas=4)],
-    # Blocks compiled (torch.compile per block, inductor): the engine against compiled torch.
-    "compile-gpu1": [dict(impl="torch"), dict(impl="torch", compile=True),
-                     dict(impl="hybrid", stage=0, compile=True), dict(impl="hybrid", stage=1, compile=True),
-                     dict(impl="hybrid", stage=2, compile=True), dict(impl="hybrid", stage=2)],
-    "compile-gpu1-1.3b": [dict(impl="torch", model="1.3b"), dict(impl="torch", compile=True, model="1.3b"),
-                          dict(impl="hybrid", stage=3, compile=True, model="1.3b"),
-                          dict(impl="hybrid", stage=2, compile=True, model="1.3b")],
-    # Optimizer offload (1 GPU): the model still fits without offload, so plain torch is the ceiling.
-    "offload1": [dict(impl="torch", model="1.3b"), dict(impl="hybrid", stage=2, offload=True, model="1.3b"),
-                 dict(impl="hybrid", stage=2, offload=True, delayed=True, model="1.3b"),
-                 dict(impl="deepspeed", stage=2, offload=True, model="1.3b")],
-    # The two-GPU offload target: 1.3B, ZeRO-2 + offload, against DeepSpeed's own.
-    "offload2": [dict(impl="deepspeed", stage=2, offload=True, model="1.3b"),
-                 dict(impl="hybrid", stage=2, offload=True, model="1.3b"),
-                 dict(impl="hybrid", stage=2, offload=True, delayed=True, model="1.3b")],
-}
-# The ratio column is against this implementation (default: plain torch or DDP, else the first).
-BASELINE = {"zero3-gpu2-1.3b": "fsdp2", "offload2": "deepspeed"}
-# ... and among several rows of that implementation, the one with these settings.
-BASELINE_SETTINGS = {"compile-gpu1": {"compile": True}, "compile-gpu1-1.3b": {"compile": True}}
+from benchmark_suites import BASELINE, BASELINE_SETTINGS, SUITES  # noqa: E402  (jobs/ is on sys.path)
 
 
 def parse() -> argparse.Namespace:
