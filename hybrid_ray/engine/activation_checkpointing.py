@@ -48,6 +48,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..config.errors import NotSupportedError, config_error
 from ..config.sections import ActivationCheckpointingConfig
+from .forward_chain import unwrap_forward
 
 log = logging.getLogger("hybrid_ray")
 
@@ -148,12 +149,7 @@ def remove_checkpointing(module: nn.Module) -> nn.Module:
     """Undo `checkpoint_activations(module)`: the forward it wrapped is used again."""
     forward = module.__dict__.get("forward")
     if isinstance(forward, CheckpointedForward):
-        del module.__dict__["forward"]
-        original = forward.original
-        is_class_forward = getattr(original, "__self__", None) is module and \
-            getattr(original, "__func__", None) is type(module).forward
-        if not is_class_forward:  # it wrapped another instance-level forward: put that back
-            module.forward = original  # type: ignore[method-assign]
+        unwrap_forward(module, forward)  # the forward it wrapped (class or instance-level) is back
     return module
 
 

@@ -20,6 +20,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .forward_chain import unwrap_forward
+
 DTYPES: Dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 HALF = (torch.float16, torch.bfloat16)
 
@@ -143,25 +145,6 @@ class RegionForward:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.region.run(self.original, args, kwargs)
-
-
-def unwrap_forward(module: nn.Module, wrapper: Any) -> None:
-    """Take `wrapper` out of `module`'s chain of instance-level forwards (each link has
-    `.original`); the class forward is used again when it was the last link."""
-    holder, link = module, module.__dict__.get("forward")
-    while link is not None and link is not wrapper:
-        holder, link = link, getattr(link, "original", None)
-    if link is None:
-        return  # already gone
-    original = wrapper.original
-    is_class_forward = getattr(original, "__self__", None) is module and \
-        getattr(original, "__func__", None) is type(module).forward
-    if holder is module:
-        del module.__dict__["forward"]
-        if not is_class_forward:
-            module.forward = original  # type: ignore[method-assign]
-    else:
-        holder.original = original
 
 
 class HalfActivationNorm(PrecisionRegion):

@@ -25,7 +25,7 @@ def check(rank: int, world: int, stage: int, out: str) -> None:
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
     engine = Engine(GPT(CFG), cfg, topology=Topology.from_environment())
     overlap = engine.zero.gather_overlap
-    n = len(overlap.order)
+    n = len(overlap.position)
     assert n >= 4  # small buckets: several gathers to overlap
     x = torch.randint(0, CFG.vocab_size, (2, CFG.seq_len), generator=torch.Generator().manual_seed(rank))
     seen = {}

@@ -160,31 +160,27 @@ class HostOffload:
         return finish
 
     # ---- host -> device -----------------------------------------------------------------
-    def stage(self, src: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def stage(self, src: torch.Tensor, dtype: torch.dtype, key: Optional[int] = None) -> torch.Tensor:
         """`src` as the host tensor an upload into a `dtype` device tensor copies from.
 
         Cast on the host (a bf16 upload moves half the bytes of fp32) into pinned memory so the
         copy is asynchronous; a pinned tensor of the right dtype is used as is. A CPU engine
-        needs no staging: its copy into the parameters casts directly.
+        needs no staging: its copy into the parameters casts directly. `key`: a whole master
+        shard (the delayed update casts off the main thread), staged into a persistent buffer
+        per (key, dtype), since a transient one that large would stay cached by torch's host
+        allocator at twice its size; not double-buffered: the next cast into it comes after
+        `wait_uploads`.
         """
         if not self.transfers or (src.dtype == dtype and src.is_pinned()):
             return src
-        out = self.empty(src.numel(), dtype)
+        if key is None:
+            out = self.empty(src.numel(), dtype)
+        else:
+            out = self._staging.get((key, dtype))
+            if out is None or out.numel() != src.numel():
+                out = self._staging[(key, dtype)] = self.persistent(src.numel(), dtype)
         out.copy_(src.reshape(-1))
         return out
-
-    def stage_whole(self, key: int, src: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """`stage` for a whole master shard (the delayed update casts off the main thread), into
-        a persistent buffer per master: a transient one that large would stay cached by torch's
-        host allocator at twice its size. One per master, not double-buffered: the next cast
-        into it comes after `wait_uploads`."""
-        if not self.transfers or (src.dtype == dtype and src.is_pinned()):
-            return src
-        buf = self._staging.get((key, dtype))
-        if buf is None or buf.numel() != src.numel():
-            buf = self._staging[(key, dtype)] = self.persistent(src.numel(), dtype)
-        buf.copy_(src.reshape(-1))
-        return buf
 
     def upload(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Copy host values into a device tensor (queued on the current stream, non_blocking)."""

@@ -167,7 +167,7 @@ class ZeroOptimizer:
         if self.offload is not None and self.offload.delayed:
             # Cast for the upload here, off the main thread; write_back then only copies.
             with torch.no_grad():
-                self._sources = [self.offload.stage_whole(i, m.detach(), s.dtype)
+                self._sources = [self.offload.stage(m.detach(), s.dtype, key=i)
                                  for i, (s, m) in enumerate(zip(self.spaces, self.masters))]
 
     def flush(self) -> None:
@@ -224,9 +224,8 @@ class ZeroOptimizer:
                   for si, (space, source) in enumerate(zip(self.spaces, sources))
                   for bucket, lo, hi, off in space.shard_slices()}
         keys = list(slices)
-        if overlap is not None:
-            rank = {key: pos for pos, key in enumerate(overlap.order)}
-            keys.sort(key=lambda k: rank.get(k, -1))  # unsharded and stage-3 slices first
+        if overlap is not None:  # unsharded and stage-3 slices first, then forward order
+            keys.sort(key=lambda k: overlap.position.get(k, -1))
         works = []
         for key in keys:
             space, source, bucket, lo, hi, off = slices[key]

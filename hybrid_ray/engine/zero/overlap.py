@@ -35,14 +35,10 @@ class ParamGatherOverlap:
                 for b in space.buckets:
                     first_use.append((min(registered.get(id(p), 1 << 62) for p in b.params), si, b.index))
         first_use.sort()  # forward (registration) order: buckets hold parameters in reverse
-        self.order: List[Tuple[int, int]] = [(si, bi) for _, si, bi in first_use]
-        position = {key: pos for pos, key in enumerate(self.order)}
-        pos_of: Dict[int, int] = {}
-        for si, space in enumerate(spaces):
-            for b in space.buckets:
-                for p in b.params:
-                    if (si, b.index) in position:
-                        pos_of[id(p)] = position[(si, b.index)]
+        # (space index, bucket index) -> where its gather is issued in a step
+        self.position: Dict[Tuple[int, int], int] = {(si, bi): pos for pos, (_, si, bi) in enumerate(first_use)}
+        pos_of = {id(p): self.position[(si, b.index)] for si, space in enumerate(spaces)
+                  for b in space.buckets if (si, b.index) in self.position for p in b.params}
         self._pending: List[dist.Work] = []
         self._next = 0
         self._handles: List[Any] = []
@@ -53,7 +49,7 @@ class ParamGatherOverlap:
         self._handles.append(module.register_state_dict_pre_hook(lambda *_a, **_k: self.settle()))
 
     def start(self, works: List[dist.Work]) -> None:
-        """Hand over this step's gathers, in `order`."""
+        """Hand over this step's gathers, in `position` order."""
         self.settle()
         self._pending, self._next = works, 0
 
