@@ -3,9 +3,10 @@
     python jobs/bench_recovery.py            # 2 CPU workers, the 'small' GPT, rank 1 exits at step 13
     python jobs/bench_recovery.py --out benchmarks/runs/<date>-recovery-cpu.jsonl   # rows as JSON too
 
-Four ways, the same fault: ours restarting from its newest checkpoint; ours with buddy replicas
+Five ways, the same fault: ours restarting from its newest checkpoint; ours with buddy replicas
 (fault_tolerance.replicas: the lost shard comes from the survivor's memory); the same with one
-warm spare (a started actor, imports done, replaces the lost one); Ray Train.
+warm spare (a started actor, imports done, replaces the lost one); the same in replay mode (the
+buddy steps its copy with each step's gradient instead of receiving it); Ray Train.
 
 Both run the same training function (the 'small' GPT from hybrid_ray.models with our engine at
 ZeRO-2, fp32, a fixed global batch, a checkpoint every 5 steps) on a local Ray with two CPU
@@ -52,13 +53,15 @@ def _model(device=None):
     return model.to(device) if device is not None else model
 
 
-def _engine(topology, replicas: bool = False):
+def _engine(topology, replicas=False):
+    """replicas: False, True (mode copy) or a fault_tolerance.mode."""
     import hybrid_ray
     world = topology.world_size
     cfg = {"train_batch_size": BATCH, "train_micro_batch_size_per_gpu": BATCH // world,
            "zero_optimization": {"stage": 2}, "gradient_clipping": 1.0,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-           "fault_tolerance": {"replicas": int(replicas)},
+           "fault_tolerance": {"replicas": int(bool(replicas)),
+                               "mode": replicas if isinstance(replicas, str) else "copy"},
            "bf16": {"enabled": GPU}, "checkpoint": {"async_save": GPU}}
     from hybrid_ray.cluster.context import warmed
     model = warmed().pop("bench_model", None)
@@ -99,7 +102,7 @@ def _steps(engine, rank, world, events, fault_marker, save, lose=(1,)):
 class OursFn:
     """The training function; a warm spare builds its model while it waits (warm())."""
 
-    def __init__(self, events: str, marker: str, replicas: bool, lose: tuple):
+    def __init__(self, events: str, marker: str, replicas, lose: tuple):
         self.args = (events, marker, replicas, lose)
 
     def warm(self) -> None:
@@ -111,7 +114,7 @@ class OursFn:
         return ours_fn(ctx, *self.args)
 
 
-def ours_fn(ctx, events: str, marker: str, replicas: bool, lose: tuple):
+def ours_fn(ctx, events: str, marker: str, replicas, lose: tuple):
     entered = time.time()
     engine, warm = _engine(ctx.topology, replicas)
     built = time.time()
@@ -128,7 +131,7 @@ def ours_fn(ctx, events: str, marker: str, replicas: bool, lose: tuple):
     engine.close()
 
 
-def run_ours(work: str, name: str = "ours", replicas: bool = False, spares: int = 0,
+def run_ours(work: str, name: str = "ours", replicas=False, spares: int = 0,
              workers: int = 2, lose: tuple = (1,)) -> Dict[str, float]:
     from hybrid_ray.cluster import ElasticTrainer, FailureConfig, ScalingConfig
     events, marker = os.path.join(work, f"{name}.jsonl"), os.path.join(work, f"{name}.fault")
@@ -246,6 +249,9 @@ def main() -> None:
         rows["hybrid_ray, replicas"] = run_ours(work, "replicas", replicas=True, **n)
     rows[f"hybrid_ray, {'replicas' if args.workers > 1 else 'checkpoint'} + {len(lose)} spare(s)"] = \
         run_ours(work, "spare", replicas=args.workers > 1, spares=len(lose), **n)
+    if args.workers > 1:  # the buddy steps its copy with each step's gradient instead
+        rows[f"hybrid_ray, replay + {len(lose)} spare(s)"] = \
+            run_ours(work, "replay", replicas="replay", spares=len(lose), **n)
     if not args.skip_ray_train and args.workers == 2 and lose == (1,) and not GPU:
         rows["Ray Train TorchTrainer"] = run_ray_train(work)
     ray.shutdown()

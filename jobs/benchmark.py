@@ -59,6 +59,8 @@ def parse() -> argparse.Namespace:
                    help="torch/ddp/hybrid: torch.compile each transformer block (inductor)")
     p.add_argument("--replicas", type=int, default=0,
                    help="hybrid: buddy replicas, a copy every this many steps (0: none)")
+    p.add_argument("--replay", action="store_true",
+                   help="hybrid with --replicas 1: fault_tolerance.mode replay (the buddy steps its copy)")
     p.add_argument("--delayed-update", action="store_true",
                    help="hybrid with --offload: delayed parameter update (one-step-stale parameters)")
     p.add_argument("--norm-activations", choices=["fp32", "half"], default=None,
@@ -128,7 +130,8 @@ def _hybrid_step(a: argparse.Namespace, model: nn.Module) -> Callable:
     if a.norm_activations:
         cfg["precision"] = {"norm_activations": a.norm_activations}
     if a.replicas:
-        cfg["fault_tolerance"] = {"replicas": 1, "copy_interval": a.replicas}
+        cfg["fault_tolerance"] = {"replicas": 1, "mode": "replay"} if a.replay else \
+            {"replicas": 1, "copy_interval": a.replicas}
     engine, _, _, _ = hybrid_ray.initialize(model, config=cfg)
     if a.impl == "hybrid-pipe":
         # train_batch over one micro-batch (gradient_accumulation_steps 1): the loss is the
@@ -225,7 +228,7 @@ def measure(a: argparse.Namespace) -> None:
                mfu=round(flops_tok * tok / dt / a.peak, 4) if cuda else None,
                peak_mem_gb=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
                loss=round(loss.item(), 3), norm_activations=a.norm_activations if sharded else None,
-               replicas=a.replicas if a.impl == "hybrid" else 0)
+               replicas=a.replicas if a.impl == "hybrid" else 0, replay=bool(a.replay and a.replicas))
     if rank == 0:
         print("RESULT " + json.dumps(res), flush=True)
     dist.destroy_process_group()
@@ -308,7 +311,7 @@ def _launch(a: argparse.Namespace, spec: dict, nproc: int, gpu: bool) -> Optiona
             *(["--delayed-update"] if spec.get("delayed") else []),
             *(["--compile"] if spec.get("compile") else []),
             *(["--overlap-gather"] if spec.get("overlap_gather") else []),
-            "--replicas", str(spec.get("replicas", 0)),
+            "--replicas", str(spec.get("replicas", 0)), *(["--replay"] if spec.get("replay") else []),
             "--dtype", a.dtype or ("bf16" if gpu else "fp32"), "--mbs", str(a.mbs or (8 if gpu else 4)),
             "--steps", str(a.steps or (30 if gpu else 10)), "--warmup", str(a.warmup or (8 if gpu else 3)),
             "--bucket", str(spec.get("bucket", a.bucket)), "--peak", str(a.peak)]
@@ -344,7 +347,7 @@ def print_table(results: List[dict], baseline: Optional[str] = None, settings: O
         name += " half-norm" if r.get("norm_activations") == "half" else ""
         name += " compiled" if r.get("compile") else ""
         name += f" overlap-gather/{r['bucket']:.0e}" if r.get("overlap_gather") else ""
-        name += f" replicas/{r['replicas']}" if r.get("replicas") else ""
+        name += (" replay" if r.get("replay") else f" replicas/{r['replicas']}") if r.get("replicas") else ""
         mfu = f"{r['mfu'] * 100:.1f}%" if r["mfu"] is not None else "-"
         mem = r["peak_mem_gb"] if r["peak_mem_gb"] is not None else "-"
         print(f"{name:<30}{r['tok_s_gpu']:>14,}{r['tok_s_gpu'] / base['tok_s_gpu']:>8.3f}"

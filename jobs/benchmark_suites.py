@@ -23,13 +23,14 @@ SUITES: Dict[str, List[dict]] = {
     # The pipeline path at one stage (PipelineModule + train_batch) costs nothing over the engine.
     "pipe-gpu1": [dict(impl="torch"), dict(impl="hybrid", stage=1), dict(impl="hybrid-pipe", stage=1),
                   dict(impl="hybrid", stage=2), dict(impl="hybrid-pipe", stage=2)],
-    # Buddy replicas (fault_tolerance, mode copy): step time with the shard copied to host memory
-    # every step / every 4 / 16 steps, against none. At one GPU there is no buddy to send to:
+    # Buddy replicas (fault_tolerance): step time with the shard copied to host memory every
+    # step / every 4 / 16 steps (mode copy), or each step's gradient replayed (mode replay),
+    # against none. At one GPU there is no buddy to send to:
     # this times the device-to-host copy; on the CPU suite two ranks also exchange their copies.
     "replicas-gpu1": [dict(impl="hybrid", stage=2), dict(impl="hybrid", stage=2, replicas=1),
                       dict(impl="hybrid", stage=2, replicas=4), dict(impl="hybrid", stage=2, replicas=16)],
     "replicas-cpu": [dict(impl="hybrid", stage=2), dict(impl="hybrid", stage=2, replicas=1),
-                     dict(impl="hybrid", stage=2, replicas=4)],
+                     dict(impl="hybrid", stage=2, replicas=4), dict(impl="hybrid", stage=2, replicas=1, replay=True)],
     # Blocks compiled (torch.compile per block, inductor): the engine against compiled torch.
     "compile-gpu1": [dict(impl="torch"), dict(impl="torch", compile=True),
                      dict(impl="hybrid", stage=0, compile=True), dict(impl="hybrid", stage=1, compile=True),

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hybrid_ray.config.errors import NotSupportedError, config_error
+from hybrid_ray.config.errors import config_error
 from hybrid_ray.config.loader import checked
 
 
@@ -17,8 +17,9 @@ class FaultToleranceConfig:
     """1: keep one copy of each rank's shard on its buddy; 0: none (recovery reads checkpoints)."""
     mode: str = checked("copy", choices=("copy", "replay"))
     """copy: every `copy_interval` steps each rank sends its updated shard to its buddy, in the
-    background. replay: each step's reduced gradient shard is sent instead and the buddy applies
-    the same optimizer step to its copy (not available yet)."""
+    background (host memory: up to four shard copies per rank). replay: each step's reduced
+    gradient shard is sent before the update and the buddy applies the same optimizer step to
+    its copy (one shard copy per rank; bitwise equal when both step on the CPU)."""
     copy_interval: int = checked(1, ge=1)
     """Steps between copies (mode copy): a recovery redoes at most this many steps."""
     spare_workers: int = checked(0, ge=0)
@@ -27,7 +28,6 @@ class FaultToleranceConfig:
     """Seconds a copy waits for its buddy before the exchange counts as failed."""
 
     def validate(self, path: str) -> None:
-        if self.mode == "replay" and self.replicas:
-            raise config_error(f"{path}.mode", "not available yet", self.mode,
-                               "use 'copy' (the updated shard every copy_interval steps)",
-                               cls=NotSupportedError)
+        if self.mode == "replay" and self.copy_interval != 1:
+            raise config_error(f"{path}.copy_interval", "applies to mode 'copy' only (replay sends every "
+                               "step)", self.copy_interval, "leave it at 1 or use mode 'copy'")

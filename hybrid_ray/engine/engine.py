@@ -270,19 +270,46 @@ class Engine(EngineLifecycle, EngineState, DeepSpeedAccessors, PipelineBatches):
         if not boundary:
             return
         self.reducer.finish_window()
+        if self.replicas is not None and self.replicas.replay:
+            self._replayed_step()
+            return
         if self.replicas is not None:
             self.replicas.before_update()  # the last snapshot's copy has read the masters
         self._last = self.zero.step(self._scaler.loss_scale, self.config.gradient_clipping)
+        self._close_step()
+        self._apply_schedule()
+        if self.replicas is not None:
+            self.replicas.after_step(self.train_state(), self.global_steps, self._rank_state)
+
+    def _close_step(self) -> None:
         self._after_step(self._last)
         self._window_open = False
         if self._window_t0 is not None:
             self.reducer.stats.record_step_time(time.perf_counter() - self._window_t0)
             self._window_t0 = None
         self.global_steps += 1
+
+    def _replayed_step(self) -> None:
+        """A step whose update the buddy replays (fault_tolerance.mode replay). The order keeps
+        a committed step recoverable whenever a peer is lost: the bookkeeping first (so the
+        rank's state after the step is known), then the exchange with the buddy and its commit,
+        then the update and the capture of the live state, and only then a collective (the
+        parameters' all-gather) that a lost peer can break."""
+        self._last, update = self.zero.prepare(self._scaler.loss_scale, self.config.gradient_clipping)
+        self._close_step()
+        self.replicas.replay_step(update, self.global_steps, self._rank_state)
+        self.zero.apply(update)
+        self.replicas.after_step(self.train_state(), self.global_steps, self._rank_state)
+        if update is not None:
+            self.zero.write_back()
+        before = self.spaces
         self._apply_schedule()
-        if self.replicas is not None:
-            self.replicas.after_step(self.train_state(), self.global_steps,
-                                     lambda: {"compression": self.reducer.compression_state()})
+        if self.spaces is not before:  # a precision switch laid the shards out anew
+            self.replicas.after_step(self.train_state(), self.global_steps, self._rank_state)
+
+    def _rank_state(self) -> dict:
+        """This rank's own state besides the shard, for the buddy: the compression residuals."""
+        return {"compression": self.reducer.compression_state()}
 
     def _after_step(self, outcome: StepOutcome) -> None:
         scaler = self._scaler

@@ -20,11 +20,13 @@ def replicated(data, out, **ft) -> dict:  # noqa: F811
     return raw
 
 
-@pytest.mark.parametrize("kill_at", [4, 8])  # of 16 steps: the kill lands up to ~3 steps later
-def test_a_killed_worker_is_rebuilt_from_memory_by_a_warm_spare(ray_session, data, tmp_path, kill_at):  # noqa: F811
+# Of 16 steps: the kill lands up to ~3 steps later. copy: the shard sent after every step;
+# replay: each step's gradient, the buddy stepping its copy.
+@pytest.mark.parametrize("kill_at,mode", [(4, "copy"), (8, "replay")])
+def test_a_killed_worker_is_rebuilt_from_memory_by_a_warm_spare(ray_session, data, tmp_path, kill_at, mode):  # noqa: F811
     # two workers throughout (min 2): the run waits for room rather than start smaller
     plain = fit(replicated(data, tmp_path / "plain", replicas=0, spare_workers=0), min_workers=2)
-    killed = fit(replicated(data, tmp_path / "killed"), kill_at=kill_at, spares=1, min_workers=2)
+    killed = fit(replicated(data, tmp_path / "killed", mode=mode), kill_at=kill_at, spares=1, min_workers=2)
     assert killed.failures == 1 and killed.world_sizes == [2, 2], killed.events
     assert "1 warm spare(s) joined" in killed.events, killed.events
     assert killed.value.val_loss == plain.value.val_loss  # bitwise: same state, data and RNG

@@ -69,15 +69,17 @@ def train(e: Engine, kill: tuple = (), save_to: Optional[str] = None) -> None:
     checkpoint after every step."""
     while e.global_steps < STEPS:
         step = e.global_steps
-        train_one(e, kill == (step, "backward"))
+        train_one(e, kill == (step, "backward"), kill == (step, "committed"))
         if kill == (step, "after_step"):
             os._exit(3)
         if save_to is not None:
             e.save_checkpoint(save_to)
 
 
-def train_one(e: Engine, die_in_backward: bool = False) -> None:
+def train_one(e: Engine, die_in_backward: bool = False, die_committed: bool = False) -> None:
     step = e.global_steps
+    if die_committed:  # replay mode: the step's gradient reached the buddy, the update did not run
+        e.zero.apply = lambda update: os._exit(3)
     for micro in range(2):
         loss = e(micro_batch(step, micro, e.topology.rank))
         if die_in_backward and micro == 1:
@@ -206,40 +208,59 @@ def test_recovery_keeps_offload_compression_and_precision_state(tmp_path: Path, 
     run_with_loss(tmp_path, stage, kill, extra)
 
 
-def test_survivors_go_on_at_a_smaller_size_from_memory(tmp_path: Path) -> None:
+REPLAY = {"fault_tolerance": {"mode": "replay"}}
+
+
+@pytest.mark.parametrize("stage,kill,extra", [
+    (1, (3, "backward"), REPLAY), (2, (5, "after_step"), REPLAY), (3, (4, "committed"), REPLAY),
+    (2, (4, "backward"), {**OFFLOAD, **REPLAY}), (2, (3, "committed"), {**TOPK, **REPLAY}),
+    (2, (5, "backward"), {**FP16_THEN_FP32, **REPLAY})],
+    ids=["stage1", "stage2", "stage3-committed", "offload", "topk-committed", "fp16-schedule"])
+def test_replay_mode_rebuilds_a_killed_rank_from_the_copy_its_buddy_stepped(
+        tmp_path: Path, stage: int, kill: tuple, extra: dict) -> None:
+    # The buddy's copy was never sent whole after the first step: it was stepped with the
+    # owner's gradients. "committed": the killed rank died after its buddy had its gradient and
+    # before its own update, so the survivor is a step ahead of the copy, which must catch up.
+    run_with_loss(tmp_path, stage, kill, extra)
+
+
+@pytest.mark.parametrize("extra,kill", [({}, (4, "backward")), (REPLAY, (4, "backward"))], ids=["copy", "replay"])
+def test_survivors_go_on_at_a_smaller_size_from_memory(tmp_path: Path, extra: dict, kill: tuple) -> None:
     # Three ranks lose one and go on as two, with no spare: the shards are cut anew for two
     # ranks in memory. The same state read from the checkpoint of that step (saved every
     # step by the first group) and trained on at two ranks gives the same final weights.
-    roles = [Role(0, 0), Role(1, 1), Role(2, None, (4, "backward"))]
-    results = run_members(tmp_path, roles, 2, {}, save_every_step=True)
+    roles = [Role(0, 0), Role(1, 1), Role(2, None, kill)]
+    results = run_members(tmp_path, roles, 2, extra, save_every_step=True)
     got = results[0]
     assert got["path"].startswith("memory:") and got["recovery"]["source"] == "memory", got["path"]
     assert got["done_before"] - got["resumed"] <= 1
-    spawn.run(uninterrupted, 2, str(tmp_path), 2, {}, f"global_step{got['resumed']}", timeout_s=60)
+    spawn.run(uninterrupted, 2, str(tmp_path), 2, extra, f"global_step{got['resumed']}", timeout_s=60)
     want = json.loads((tmp_path / "reference.json").read_text())
     for r in (results[0], results[1]):
         assert_state(r["state"], want)
 
 
-def test_a_rank_lost_with_its_buddy_falls_back_to_the_checkpoint(tmp_path: Path) -> None:
+@pytest.mark.parametrize("extra", [{}, REPLAY], ids=["copy", "replay"])
+def test_a_rank_lost_with_its_buddy_falls_back_to_the_checkpoint(tmp_path: Path, extra: dict) -> None:
     # Ranks 1 and 2 die together: rank 1's copy lived on rank 2. The survivor alone has its
     # own shard and rank 2's copy, not rank 1's: it must load the newest checkpoint instead.
     roles = [Role(0, 0), Role(1, None, (5, "backward")), Role(2, None, (5, "backward"))]
-    got = run_members(tmp_path, roles, 1, {}, save_every_step=True)[0]
+    got = run_members(tmp_path, roles, 1, extra, save_every_step=True)[0]
     assert not got["path"].startswith("memory:"), got["path"]
     assert got["recovery"]["source"] == "disk" and "lack rank(s) [1]" in got["recovery"]["reason"], got
     assert got["resumed"] == 5  # the checkpoint of the last step every rank finished
-    spawn.run(uninterrupted, 1, str(tmp_path), 1, {}, "global_step5", timeout_s=60)
+    spawn.run(uninterrupted, 1, str(tmp_path), 1, extra, "global_step5", timeout_s=60)
     assert_state(got["state"], json.loads((tmp_path / "reference.json").read_text()))
 
 
-def buddy_copies(rank: int, world: int, out: str) -> None:
+def buddy_copies(rank: int, world: int, out: str, mode: str) -> None:
     from hybrid_ray.engine.replicas import KEEPER
 
-    e = engine(2, {"gradient_compression": {"type": "topk", "topk_ratio": 0.2}})
+    e = engine(2, {"gradient_compression": {"type": "topk", "topk_ratio": 0.2},
+                   "fault_tolerance": {"mode": mode}})
     while e.global_steps < STEPS:
         train_one(e)
-        e.replicas.wait()  # the exchange of this step has committed
+        e.replicas.wait()  # the exchange of this step has committed (replay: and been applied)
         mine = torch.cat([m.detach().reshape(-1) for m in e.zero.masters]
                          + [v.reshape(-1) for m in e.zero.masters for k, v in sorted(e.optimizer.state[m].items())
                             if torch.is_tensor(v) and v.shape == m.shape])
@@ -253,5 +274,6 @@ def buddy_copies(rank: int, world: int, out: str) -> None:
     e.destroy()
 
 
-def test_the_buddys_copy_equals_the_owners_shard_after_every_step(tmp_path: Path) -> None:
-    spawn.run(buddy_copies, 3, str(tmp_path), timeout_s=60)
+@pytest.mark.parametrize("mode", ["copy", "replay"])
+def test_the_buddys_copy_equals_the_owners_shard_after_every_step(tmp_path: Path, mode: str) -> None:
+    spawn.run(buddy_copies, 3, str(tmp_path), mode, timeout_s=60)

@@ -27,8 +27,20 @@ THREADED = {"train_micro_batch_size_per_gpu": 4,
             "checkpoint": {"async_save": True}}
 
 
+@pytest.fixture(autouse=True)
+def _earlier_threads() -> None:
+    # An engine an earlier test dropped without destroy() keeps its threads until it is
+    # collected: those are not this test's.
+    gc.collect()
+    _EARLIER.clear()
+    _EARLIER.update(threading.enumerate())
+
+
+_EARLIER: set = set()
+
+
 def our_threads() -> List[str]:
-    return [t.name for t in threading.enumerate() if t.name.startswith("hybrid_ray")]
+    return [t.name for t in threading.enumerate() if t.name.startswith("hybrid_ray") and t not in _EARLIER]
 
 
 def build() -> hybrid_ray.Engine:

@@ -10,12 +10,17 @@ snapshots and the ones its buddy sent, until a newer version is committed (every
 and received it): then the older ones go. So at any moment the keepers together hold the last
 committed version of every rank, and possibly the next one, and `plan` picks the newest
 version that the survivors hold for every rank of the old group.
+
+Replay mode keeps no copy of the rank's own shard: `own` holds the engine's live tensors by
+reference, under the step they are at (dropped while the optimizer writes into them). `held`
+is one copy of the buddy's shard, and `pending` the buddy's next reduced gradient, which
+`advance` applies to it (in the background, or at a recovery that needs that step).
 """
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from .snapshot import Snapshot
 
@@ -32,6 +37,7 @@ class Keeper:
         self.run: Optional[str] = None
         self._token = 0  # the ring whose updates count (begin)
         self._spare: Dict[str, Snapshot] = {}  # "own"/"held": a dropped snapshot, for its buffers
+        self.pending: Optional[Any] = None  # replay: the buddy's next step (replay.Pending)
 
     def start(self, run: Optional[str]) -> None:
         """A new group of this run begins snapshotting; snapshots of another run are dropped."""
@@ -49,6 +55,7 @@ class Keeper:
             self.own.clear()
             self.held.clear()
             self._spare.clear()
+            self.pending = None
             self.committed, self.disk_step = -1, -1
         self.run = run
 
@@ -72,6 +79,39 @@ class Keeper:
                 snap.token = token
                 store[snap.step] = snap
 
+    def set_live(self, snap: Optional[Snapshot], token: int) -> None:
+        """Replay: this rank's live state by reference (None: being updated, not a version),
+        replacing every other own entry (they are the same tensors, or an older ring's)."""
+        with self._lock:
+            if token != self._token:
+                return
+            self.own.clear()
+            if snap is not None:
+                snap.token = token
+                self.own[snap.step] = snap
+
+    def set_pending(self, pending: Any, token: int) -> None:
+        """Replay: the buddy's committed next step, to be applied to `held` by `advance`."""
+        with self._lock:
+            if token == self._token:
+                self.pending = pending
+
+    def advance(self) -> None:
+        """Replay: apply the pending step to the held copy. Under the lock, so that a recovery
+        never reads a copy halfway through its update; idempotent."""
+        with self._lock:
+            self._advance()
+
+    def _advance(self) -> None:
+        pend, self.pending = self.pending, None
+        base = self.held.get(pend.step - 1) if pend is not None else None
+        if base is None or base.stepper is None:
+            return
+        base.stepper.apply(pend)
+        del self.held[base.step]
+        base.step, base.part, base.small = pend.step, pend.part, b""
+        self.held[pend.step] = base
+
     def commit(self, version: int, token: int) -> None:
         """Every rank holds `version` of every shard: older versions, and those of earlier
         rings (the group before a recovery), can go. Their buffers are kept for the next
@@ -80,8 +120,13 @@ class Keeper:
             if token != self._token:
                 return
             self.committed = version
+            pend = self.pending
+            base = pend.step - 1 if pend is not None and pend.step == version else None
+            if base is None:
+                self.pending = None
             for name, store in (("own", self.own), ("held", self.held)):
-                for v in [v for v, s in store.items() if v < version or s.token != token]:
+                for v in [v for v, s in store.items() if (v < version and not (name == "held" and v == base))
+                          or s.token != token]:
                     self._spare[name] = store.pop(v)
 
     def rewind(self, step: int) -> None:
@@ -91,6 +136,8 @@ class Keeper:
             for store in (self.own, self.held):
                 for v in [v for v in store if v > step]:
                     del store[v]
+            if self.pending is not None and self.pending.step > step:
+                self.pending = None
 
     def recycled(self, store: str) -> Optional[Snapshot]:
         """A snapshot that a newer commit made useless, whose buffers the next one can reuse."""
@@ -98,14 +145,24 @@ class Keeper:
             return self._spare.pop(store, None)
 
     def summary(self) -> dict:
-        """What a recovery needs to know of this process (sent to every new rank)."""
+        """What a recovery needs to know of this process (sent to every new rank). "full": the
+        (where, version) whose snapshot has the step's counters and layout, not only its rank part."""
         with self._lock:
-            return {"run": self.run, "disk_step": self.disk_step,
-                    "own": {v: (s.rank, s.world) for v, s in self.own.items()},
-                    "held": {v: (s.rank, s.world) for v, s in self.held.items()}}
+            held = {v: (s.rank, s.world) for v, s in self.held.items()}
+            pend = self.pending
+            base = self.held.get(pend.step - 1) if pend is not None else None
+            if base is not None and base.stepper is not None:
+                held[pend.step] = (base.rank, base.world)  # reachable: advance() on request
+            full = [(w, v) for w, store in (("own", self.own), ("held", self.held))
+                    for v, s in store.items() if s.full]
+            return {"run": self.run, "disk_step": self.disk_step, "full": full,
+                    "own": {v: (s.rank, s.world) for v, s in self.own.items()}, "held": held}
 
     def get(self, where: str, version: int) -> Snapshot:
         with self._lock:
+            if where == "held" and version not in self.held and self.pending is not None \
+                    and self.pending.step == version:
+                self._advance()
             return (self.own if where == "own" else self.held)[version]
 
     def clear(self) -> None:
@@ -118,11 +175,12 @@ KEEPER = Keeper()
 @dataclass(frozen=True)
 class Plan:
     """Where every shard of the old group's version `step` comes from: old rank -> (new rank
-    that holds it, "own" or "held")."""
+    that holds it, "own" or "held"); and which holder has the step's counters and layout."""
 
     step: int
     world: int
     sources: Dict[int, Tuple[int, str]]
+    meta_source: Tuple[int, str] = (0, "own")
 
 
 def plan(summaries: List[dict], run: Optional[str]) -> Tuple[Optional[Plan], str]:
@@ -138,14 +196,25 @@ def plan(summaries: List[dict], run: Optional[str]) -> Tuple[Optional[Plan], str
         for where in ("own", "held"):  # own first: a rank's own copy is preferred to its buddy's
             for version, (old_rank, world) in s[where].items():
                 offers.setdefault((version, world), {}).setdefault(old_rank, (new_rank, where))
-    complete = [(v, w) for (v, w), got in offers.items() if set(got) >= set(range(w))]
+    # Who holds each (version, world)'s counters and layout (a replayed copy holds only its
+    # rank's part): a version without such a holder is not usable.
+    full: Dict[Tuple[int, int], Tuple[int, str]] = {}
+    for new_rank, s in enumerate(summaries):
+        if s.get("run") == run:
+            for where, v in s.get("full", [(w, v) for w in ("own", "held") for v in s[w]]):
+                full.setdefault((v, s[where][v][1]), (new_rank, where))
+    complete = [(v, w) for (v, w), got in offers.items() if set(got) >= set(range(w)) and (v, w) in full]
     disk = max(s["disk_step"] for s in mine)
     if not complete:
         newest = max(v for v, _ in offers) if offers else -1
         missing = sorted(set(range(max(w for _, w in offers))) - set(offers[max(offers)])) if offers else []
+        if offers and not missing:
+            return None, (f"no survivor holds the counters of step {newest}: the group was cut off "
+                          "while committing it")
         return None, (f"the replicas of step {newest} lack rank(s) {missing}: a rank and its buddy "
                       "were lost together")
     version, world = max(complete)
     if version < disk:
         return None, f"the replicas (step {version}) are older than the newest checkpoint (step {disk})"
-    return Plan(version, world, {r: offers[(version, world)][r] for r in range(world)}), "ok"
+    return Plan(version, world, {r: offers[(version, world)][r] for r in range(world)},
+                full[(version, world)]), "ok"

@@ -65,7 +65,8 @@ def _whole(p: Plan, keeper: Keeper, group, me: int, layouts: List[dict], keys: L
             owners = range(p.world) if space["num_shards"] > 1 else [0]
             for old in owners:
                 src, where = p.sources[old]
-                t = keeper.get(where, p.step).tensors[i][key] if src == me else \
+                # A replay-mode rank's own shard is the live tensor: on its device, maybe.
+                t = keeper.get(where, p.step).tensors[i][key].detach().cpu() if src == me else \
                     torch.empty(shard_numel, dtype=dtype)
                 if group is not None:
                     dist.broadcast(t, group_src=src, group=group)
@@ -86,9 +87,10 @@ def recover(ts: TrainState, keeper: Keeper, group: Optional[dist.ProcessGroup], 
     p, why = plan(gather_summaries(keeper, group, world), run)
     if p is None:
         return None, why, None
+    srcm, wherem = p.meta_source  # the step's counters and layout: the same for every old rank
+    small = snap.parse_small(_broadcast_bytes(keeper.get(wherem, p.step).small if me == srcm else None,
+                                              srcm, group, me))
     src0, where0 = p.sources[0]
-    small = snap.parse_small(_broadcast_bytes(keeper.get(where0, p.step).small if me == src0 else None,
-                                              src0, group, me))
     first = keeper.get(where0, p.step) if me == src0 else None
     spec = [[(k, t.dtype) for k, t in ts_.items()] for ts_ in first.tensors] if first else None
     box = [spec]
@@ -101,18 +103,19 @@ def recover(ts: TrainState, keeper: Keeper, group: Optional[dist.ProcessGroup], 
     cstate.apply(ts, saved, small.extras, None, meta, True, True, False)
     mine = None
     if p.world == world:  # same size: rank r continues old rank r's random streams
-        mine = _broadcast_per_rank(p, keeper, group, me, world)
+        mine = snap.with_part(small, _broadcast_per_rank(p, keeper, group, me, world))
         snap.set_rng_objects(mine.rng)
     return p.step, "ok", mine
 
 
-def _broadcast_per_rank(p: Plan, keeper: Keeper, group, me: int, world: int) -> snap.SmallState:
-    """Old rank r's small state, delivered to new rank r (each holder broadcasts in turn)."""
+def _broadcast_per_rank(p: Plan, keeper: Keeper, group, me: int, world: int) -> bytes:
+    """Old rank r's own state (RNG, compression), delivered to new rank r (each holder
+    broadcasts in turn)."""
     mine = None
     for old in range(world):
         src, where = p.sources[old]
-        data = keeper.get(where, p.step).small if me == src else None
+        data = keeper.get(where, p.step).rank_part() if me == src else None
         got = _broadcast_bytes(data, src, group, me)
         if old == me:
-            mine = snap.parse_small(got)
+            mine = got
     return mine

@@ -10,6 +10,11 @@ buddy's copy, so the version is committed and the older ones are dropped (keeper
 
 Why a gloo group: the copies live in host memory, and gloo moves host tensors directly (over
 NCCL they would cross the device twice).
+
+Replay mode (replay.py) sends the whole shard only as a base, and then each step's reduced
+gradient before the update, on the training thread: the update waits for the buddy to have it
+and for every rank to agree (the commit), so that whatever a lost peer breaks afterwards, every
+shard can be brought to the same step. The buddy applies the step to its copy in the background.
 """
 from __future__ import annotations
 
@@ -28,6 +33,7 @@ from hybrid_ray.config.fault_tolerance import FaultToleranceConfig
 from ..checkpoint.state import TrainState
 from ..topology import Topology
 from . import recover as rec
+from . import replay
 from . import snapshot as snap
 from .keeper import KEEPER, Keeper
 
@@ -45,6 +51,9 @@ class Replicator:
         # Not the Topology: an exchange blocked on a lost peer must not hold the training
         # group, whose release is what tells the other ranks (cluster/worker.py _leave).
         self.settings, self.keeper = settings, keeper
+        self.replay = settings.mode == "replay"
+        self._based = False  # replay: the buddy holds this rank's shard in the current layout
+        self._rank_cache: Optional[tuple] = None  # replay: (step, the rank state sent with it)
         self.world, self.rank = topo.world_size, topo.rank
         self.token = keeper.begin()
         timeout = datetime.timedelta(seconds=settings.timeout_s)
@@ -75,6 +84,7 @@ class Replicator:
                               "reason": why, "seconds": round(seconds, 3)}
         if step is not None:
             self.keeper.rewind(step)
+            self._layout = None  # the live state jumped: the buddy needs a new base
             ts.log(f"recovered step {step} from the replicas in memory in {seconds:.2f} s (no disk read)")
         elif self.keeper.run == self.run:
             ts.log(f"replicas in memory not used: {why}; loading the newest checkpoint", logging.WARNING)
@@ -87,12 +97,18 @@ class Replicator:
         self.keeper.saw_disk(self.run, step)
         if loaded and step >= 0:
             self.keeper.rewind(step)
+        if loaded and self.replay:
+            self.keeper.set_live(None, self.token)  # the live tensors were overwritten in place
+            self._layout = None
 
     # ---- the training thread -----------------------------------------------------------
     def after_step(self, ts: TrainState, step: int, rank_state: Callable[[], dict]) -> None:
         """Called after each optimizer step: every copy_interval steps, copy the shard to host
         memory off the training thread's path (a side stream on a GPU, the exchange thread on
         the CPU) and send it to the buddy. rank_state: the engine's other per-rank state."""
+        if self.replay:
+            self._capture_live(ts, step, rank_state)
+            return
         if step % self.settings.copy_interval:
             return
         self.wait()
@@ -111,6 +127,91 @@ class Replicator:
         self._copied = copied
         own = snap.Snapshot(step, self.rank, self.world, [], small, self.run)
         self._inflight = self._pool.submit(self._copy_and_exchange, own, live, reuse, copied)
+
+    # ---- replay mode ------------------------------------------------------------------------
+    def _capture_live(self, ts: TrainState, step: int, rank_state: Callable[[], dict]) -> None:
+        """The rank's state after `step`, by reference; a base for the buddy when it has none
+        in this layout (the ring's first step, a precision switch, a load)."""
+        spaces = tuple(id(s) for s in ts.spaces)
+        rebase = self._layout is None or self._layout[0] != spaces
+        if rebase:
+            self.wait()
+            self._layout = (spaces, snap.layout(ts))
+            self.keeper.start(self.run)
+            self._based = False
+        spec = replay.optimizer_spec(ts) if rebase else None
+        cached, self._rank_cache = self._rank_cache, None  # what replay_step sent (copied once)
+        mine = cached[1] if cached is not None and cached[0] == step else rank_state()
+        small = snap.small_state(ts, self._layout[1], mine, spec)
+        live = snap.Snapshot(step, self.rank, self.world, snap.shard_tensors(ts), small, self.run)
+        self.keeper.set_live(live, self.token)
+        if rebase:
+            host = [{k: t.to("cpu", copy=True) for k, t in ts_.items()} for ts_ in live.tensors]
+            base = snap.Snapshot(step, self.rank, self.world, host, small, self.run)
+            self._inflight = self._pool.submit(self._send_base, base)
+
+    def _send_base(self, base: snap.Snapshot) -> None:
+        if self.group is None:
+            self.keeper.commit(base.step, self.token)
+            self._based = True
+            return
+        nxt, prev = (self.rank + 1) % self.world, (self.rank - 1) % self.world
+        recv = snap.empty_like(base.tensors, False)
+        small_in = self._swap_bytes(base.small, nxt, prev)
+        self._swap([t for ts in base.tensors for t in ts.values()], [t for ts in recv for t in ts.values()],
+                   nxt, prev)
+        held = snap.Snapshot(base.step, prev, self.world, recv, small_in, base.run)
+        held.stepper = replay.Stepper(snap.parse_small(small_in).stepper, recv)
+        self.keeper.put_held(held, self.token)
+        self._commit(base.step)
+        self._based = True
+
+    def replay_step(self, update: Any, step: int, rank_state: Callable[[], dict]) -> None:
+        """Before the update of `step`: the reduced gradient shard (None: an overflow skipped the
+        step) and this rank's own state go to the buddy, the buddy's come here, and every rank
+        agrees before any applies. Raises ReplicaError when a peer is lost on the way."""
+        self.wait()  # the base, or the last step's application to the copy
+        if not self._based:
+            return  # no base yet: this step is not a version the buddy can rebuild
+        if self.group is None:  # one rank: nothing to send, the step is committed as it is
+            self.keeper.commit(step, self.token)
+            self.keeper.set_live(None, self.token)
+            return
+        mine = rank_state()
+        self._rank_cache = (step, mine)
+        part = snap.pack({"rng": snap.rng_objects(), "rank": mine})
+        hyper = replay.hyperparameters(update.optimizer) if update is not None else None
+        data = replay.header(step, update.coef if update is not None else 0.0, hyper, part)
+        grads = [g.detach().to("cpu") for g in update.grads] if update is not None else None
+        try:
+            self._replay_exchange(step, data, grads)
+        except Exception as e:  # noqa: BLE001 - one type for the caller, the cause chained
+            raise ReplicaError(f"rank {self.rank}: sending step {step}'s gradient to its buddy failed: "
+                               f"{type(e).__name__}: {str(e)[:300]}") from e
+        self.keeper.set_live(None, self.token)  # committed: the update now writes into it
+
+    def _replay_exchange(self, step: int, data: bytes, grads: Optional[List[torch.Tensor]]) -> None:
+        nxt, prev = (self.rank + 1) % self.world, (self.rank - 1) % self.world
+        header_in = self._swap_bytes(data, nxt, prev)
+        got = None
+        if grads is not None:  # an overflow is agreed by every rank: all send, or none
+            got = [torch.empty_like(g) for g in grads]
+            self._swap(grads, got, nxt, prev)
+        self.keeper.set_pending(replay.pending_from(header_in, got), self.token)
+        self._commit(step)
+        self._inflight = self._pool.submit(self.keeper.advance)
+
+    def _swap_bytes(self, data: bytes, nxt: int, prev: int) -> bytes:
+        size_out, size_in = torch.tensor([len(data)], dtype=torch.int64), torch.empty(1, dtype=torch.int64)
+        self._swap([size_out], [size_in], nxt, prev)
+        got = torch.empty(int(size_in.item()), dtype=torch.uint8)
+        self._swap([torch.frombuffer(bytearray(data), dtype=torch.uint8)], [got], nxt, prev)
+        return got.numpy().tobytes()
+
+    def _commit(self, step: int) -> None:
+        version = torch.tensor([step], dtype=torch.int64)
+        dist.all_reduce(version, op=dist.ReduceOp.MIN, group=self.group)
+        self.keeper.commit(int(version.item()), self.token)
 
     def before_update(self) -> None:
         """Called before the optimizer writes into the masters: the copy of the last snapshot

@@ -34,9 +34,26 @@ class Snapshot:
     small: bytes  # pickled SmallState
     run: Optional[str] = None  # the checkpoint directory of the run (the engine's newest load/save)
     token: int = 0  # the ring that made it (keeper.begin)
+    # Replay mode's copy of the buddy's shard, stepped here: its rank part (RNG, compression) at
+    # `step` when `small` (the rank-independent rest) has gone stale, and the optimizer that
+    # steps `tensors` (replay.Stepper).
+    part: Optional[bytes] = None
+    stepper: Any = None
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for ts in self.tensors for t in ts.values()) + len(self.small)
+
+    @property
+    def full(self) -> bool:
+        """Whether `small` holds this step's counters, schedule and layout (else only `part`)."""
+        return bool(self.small)
+
+    def rank_part(self) -> bytes:
+        """The state of this rank alone (its RNG and compression state), serialized."""
+        if self.part is not None:
+            return self.part
+        small = parse_small(self.small)
+        return pack({"rng": small.rng, "rank": small.rank})
 
 
 @dataclass
@@ -46,6 +63,7 @@ class SmallState:
     extras: Tensors  # persistent buffers and frozen parameters (rank-independent under data parallelism)
     layout: List[dict] = field(default_factory=list)  # per space: numel, shards, buckets, params
     rank: dict = field(default_factory=dict)  # other state of this rank (the engine's: compression)
+    stepper: dict = field(default_factory=dict)  # replay mode: how the buddy builds the optimizer
 
 
 def layout(ts: TrainState) -> List[dict]:
@@ -99,16 +117,30 @@ def extras(ts: TrainState) -> Tensors:
     return out
 
 
-def small_state(ts: TrainState, space_layout: List[dict], rank_state: dict) -> bytes:
+def small_state(ts: TrainState, space_layout: List[dict], rank_state: dict, stepper: Optional[dict] = None) -> bytes:
     meta = cstate.meta(ts, f"global_step{ts.counters.global_steps}", {}, [], {})
-    state = SmallState(meta, rng_objects(), extras(ts), space_layout, rank_state)
+    state = SmallState(meta, rng_objects(), extras(ts), space_layout, rank_state, stepper or {})
+    return pack(state.__dict__)
+
+
+def pack(obj: Any) -> bytes:
     buf = io.BytesIO()
-    torch.save(state.__dict__, buf)  # tensors and numpy arrays inside, so torch's pickler
+    torch.save(obj, buf)  # tensors and numpy arrays inside, so torch's pickler
     return buf.getvalue()
 
 
+def unpack(data: bytes) -> Any:
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
 def parse_small(data: bytes) -> SmallState:
-    return SmallState(**torch.load(io.BytesIO(data), weights_only=False))
+    return SmallState(**unpack(data))
+
+
+def with_part(small: SmallState, part: bytes) -> SmallState:
+    """`small` (another rank's, at the same step) with the rank part of the one it stands for."""
+    mine = unpack(part)
+    return SmallState(small.meta, mine["rng"], small.extras, small.layout, mine["rank"], small.stepper)
 
 
 def copy_into(live: List[Tensors], into: Optional[List[Tensors]], pin: bool) -> List[Tensors]:

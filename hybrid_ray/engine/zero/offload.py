@@ -247,6 +247,12 @@ def frozen_hyperparameters(optimizer: torch.optim.Optimizer) -> torch.optim.Opti
     view = object.__new__(type(optimizer))
     view.__dict__.update(optimizer.__dict__)
     view.param_groups = [dict(g) for g in optimizer.param_groups]
+    # An LR scheduler replaces the instance's `step` with a wrapper bound to the optimizer
+    # itself, which would step the live groups (the next step's lr once the scheduler has
+    # moved): the view steps with the class's method, and the optimizer is marked as stepped
+    # as that wrapper would have done (else the scheduler warns it stepped first).
+    if view.__dict__.pop("step", None) is not None:
+        optimizer._opt_called = True
     return view
 
 

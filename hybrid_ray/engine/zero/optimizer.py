@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import partial
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -40,6 +40,15 @@ class StepOutcome:
     applied: bool  # with delayed_param_update: launched; it reaches the parameters one step later
     overflow: bool
     grad_norm: float  # true (unscaled) global norm before clipping; inf/nan on overflow
+
+
+@dataclass(frozen=True)
+class Update:
+    """A decided update not applied yet (ZeroOptimizer.prepare)."""
+
+    grads: List[torch.Tensor]  # the reduced master gradients, per space, still scaled
+    coef: float  # what unscales and clips them
+    optimizer: torch.optim.Optimizer  # a view with the step's hyperparameters frozen
 
 
 class ZeroOptimizer:
@@ -133,15 +142,43 @@ class ZeroOptimizer:
         finally:
             self.reducer.release_master_grads()
 
-    def _step(self, grads: List[torch.Tensor], loss_scale: float, clip: float) -> StepOutcome:
+    def prepare(self, loss_scale: float, clip: float) -> Tuple[StepOutcome, Optional[Update]]:
+        """The step's decision (norm, overflow, clip coefficient) without the update: what
+        replicas in replay mode send to the buddy before `apply` writes into the masters. The
+        hyperparameters are frozen now, so the LR scheduler may step before `apply`. No
+        write_back: the caller runs it after `apply`."""
+        self.flush()
+        grads = self.reducer.master_grads()
+        outcome, coef = self._decide(grads, loss_scale, clip)
+        if not outcome.applied:
+            self.reducer.release_master_grads()
+            return outcome, None
+        return outcome, Update(grads, coef, frozen_hyperparameters(self.optimizer))
+
+    def apply(self, update: Optional[Update]) -> None:
+        """Apply what `prepare` decided (nothing after an overflow)."""
+        if update is None:
+            return
+        try:
+            self._update(update.grads, update.coef, update.optimizer)
+        finally:
+            self.reducer.release_master_grads()
+
+    def _decide(self, grads: List[torch.Tensor], loss_scale: float, clip: float) -> Tuple[StepOutcome, float]:
+        """(outcome, the factor that unscales and clips the gradients): one host sync."""
         divisor = self.grad_divisor(loss_scale)
-        scaled_norm = math.sqrt(self._sum_of_squares(grads).item())
-        grad_norm = scaled_norm / divisor
+        grad_norm = math.sqrt(self._sum_of_squares(grads).item()) / divisor
         if not math.isfinite(grad_norm):
-            return StepOutcome(applied=False, overflow=True, grad_norm=grad_norm)
+            return StepOutcome(applied=False, overflow=True, grad_norm=grad_norm), 0.0
         coef = 1.0 / divisor
         if clip > 0 and grad_norm > clip:
             coef *= clip / (grad_norm + 1e-6)
+        return StepOutcome(applied=True, overflow=False, grad_norm=grad_norm), coef
+
+    def _step(self, grads: List[torch.Tensor], loss_scale: float, clip: float) -> StepOutcome:
+        outcome, coef = self._decide(grads, loss_scale, clip)
+        if not outcome.applied:
+            return outcome
         if self.offload is not None and self.offload.delayed:
             job = partial(self._update, grads, coef, frozen_hyperparameters(self.optimizer))
             self.offload.runner.submit(job)
@@ -149,7 +186,7 @@ class ZeroOptimizer:
         else:
             self._update(grads, coef, self.optimizer)
             self.write_back()
-        return StepOutcome(applied=True, overflow=False, grad_norm=grad_norm)
+        return outcome
 
     def _update(self, grads: List[torch.Tensor], coef: float, optimizer: torch.optim.Optimizer) -> None:
         """Unscale and clip the gradients, step the optimizer (in the DPU thread: no collectives)."""
