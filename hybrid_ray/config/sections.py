@@ -9,7 +9,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
-from hybrid_ray.config.errors import Verbatim, config_error, join_path
+from hybrid_ray.config.errors import NotSupportedError, Verbatim, config_error, join_path
 from hybrid_ray.config.loader import checked
 
 Dtype = Literal["fp32", "fp16", "bf16"]
@@ -84,10 +84,22 @@ class OffloadConfig:
     """Initialise offloaded optimizer state in bulk (nvme)."""
     delayed_param_update: bool = False
     """Overlap the CPU optimizer step with the next forward (updates land one step late)."""
-    ratio: float = checked(1.0, gt=0, le=1)
-    """DeepSpeed's partial offload (ZeRO-3): the fraction of optimizer state kept on the host.
-    No effect here: an offloaded optimizer keeps all of its state on the host (the same
-    update)."""
+    ratio: object = checked(1.0, convert=lambda raw, path, _: _offload_ratio(raw, path))
+    """Partial offload (DeepSpeed's ZeRO-Offload++ Twin-Flow), at every stage: the fraction of
+    the parameters whose fp32 masters, gradients and optimizer state live on the host and step
+    on the CPU; the rest stay and step on the device. 1.0 (DeepSpeed's default) offloads all;
+    "auto" keeps on the device what fits in half of the device memory left free once the model
+    is built (engine/zero/partial.py)."""
+
+
+def _offload_ratio(raw: object, path: str) -> object:
+    if raw == "auto":
+        return "auto"
+    if isinstance(raw, bool) or not isinstance(raw, (int, float)):
+        raise config_error(path, "expected a number or \"auto\"", raw, "a fraction in (0, 1], or \"auto\"")
+    if not 0 < raw <= 1:
+        raise config_error(path, "out of range", raw, "a fraction in (0, 1], or \"auto\"")
+    return float(raw)
 
 
 @dataclass(frozen=True)
@@ -155,6 +167,11 @@ class ZeroConfig:
             raise config_error(f"{path}.offload_optimizer.device", "needs ZeRO stage 1 or higher",
                                self.offload_optimizer.device,
                                "set zero_optimization.stage to 1 or 2, or offload_optimizer.device to 'none'")
+        off = self.offload_optimizer
+        if off.delayed_param_update and off.ratio != 1.0:
+            raise config_error(f"{path}.offload_optimizer.ratio", "a partial offload cannot delay the "
+                               "update (the device's share steps at the boundary)", off.ratio,
+                               "set ratio to 1.0 or delayed_param_update to false", cls=NotSupportedError)
 
 
 @dataclass(frozen=True)

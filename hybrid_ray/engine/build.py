@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from .zero import partial
 from .zero.flat import FlatSpace
 from .zero.offload import cpu_optimizer_kwargs
 from .topology import Topology
@@ -62,15 +63,22 @@ def _check_covered(model: nn.Module, seen: set) -> None:
 
 
 def build_spaces(groups: Sequence[ParamGroup], device: torch.device, bucket_numel: int,
-                 num_shards: int, rank: int) -> List[FlatSpace]:
-    """One FlatSpace per (group, storage dtype); parameters in reverse order (backward order)."""
+                 num_shards: int, rank: int, offload_ratio: Optional[float] = None) -> List[FlatSpace]:
+    """One FlatSpace per (group, storage dtype); parameters in reverse order (backward order).
+    offload_ratio (optimizer offload): that share of each list goes into a space of its own
+    whose masters live on the host (zero/partial.py); None: no offload."""
     spaces = []
     for gi, (params, _) in enumerate(groups):
         by_dtype: Dict[torch.dtype, List[nn.Parameter]] = {}
         for p in params:
             by_dtype.setdefault(p.dtype, []).append(p)
         for dtype, ps in by_dtype.items():
-            spaces.append(FlatSpace(list(reversed(ps)), dtype, device, bucket_numel, num_shards, rank, gi))
+            host, kept = partial.split(ps, offload_ratio) if offload_ratio is not None else ([], ps)
+            for part, offloaded in ((host, True), (kept, False)):
+                if part:
+                    space = FlatSpace(list(reversed(part)), dtype, device, bucket_numel, num_shards, rank, gi)
+                    space.offloaded = offloaded
+                    spaces.append(space)
     return spaces
 
 
@@ -123,7 +131,6 @@ NO_EFFECT_KEYS = {  # accepted for DeepSpeed compatibility; what our design does
     "zero_optimization.offload_optimizer.fast_init": "host state is created in bulk already (nvme only)",
     "zero_optimization.mics_hierarchical_params_gather": "parameters are gathered in one flat all-gather",
     "zero_optimization.stage3_model_persistence_threshold": "stage3_param_persistence_threshold alone decides",
-    "zero_optimization.offload_optimizer.ratio": "an offloaded optimizer keeps all its state on the host",
 }
 
 

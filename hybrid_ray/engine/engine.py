@@ -43,7 +43,7 @@ from .parallelism import checkpoint_topology, parallel_topology
 from .zero.reducer import GradReducer, ReduceOptions
 from .schedulers import build_scheduler
 from .topology import Topology
-from .zero import partition as zero_partition, relayout, stage3
+from .zero import partial, partition as zero_partition, relayout, stage3
 from .zero.optimizer import StepOutcome, ZeroOptimizer
 from .zero.overlap import ParamGatherOverlap
 
@@ -115,15 +115,23 @@ class Engine(EngineLifecycle, EngineState, DeepSpeedAccessors, PipelineBatches):
         # zero.Init shards: only stage 3's trained parameters stay partitioned, the rest are whole.
         zero_partition.unpartition_all(self.module, {id(p) for ps, _ in groups for p in ps}
                                        if partition_params else set())
+        offload = HostOffload.from_config(zc.offload_optimizer, topo.device)  # None unless device: cpu
+        ratio = partial.resolve_ratio(zc.offload_optimizer.ratio, topo.device,
+                                      sum(p.numel() for ps, _ in groups for p in ps)) if offload else None
         if partition_params:
             self.spaces, unit_of_space, unit_mods = stage3.build_stage3_spaces(
                 self.module, groups, topo.device, zc.reduce_bucket_size, topo,
                 zc.stage3_param_persistence_threshold)
+            if ratio is not None:
+                partial.mark_units(self.spaces, ratio)
         else:
-            self.spaces = build.build_spaces(groups, topo.device, zc.reduce_bucket_size, num_shards, topo.rank)
+            self.spaces = build.build_spaces(groups, topo.device, zc.reduce_bucket_size, num_shards,
+                                             topo.rank, ratio)
         if broadcast:
             build.broadcast_state(self.spaces, self.module, topo)
-        offload = HostOffload.from_config(zc.offload_optimizer, topo.device)  # None unless device: cpu
+        if offload is not None and not any(s.offloaded for s in self.spaces):
+            offload.close()  # "auto" kept everything on the device
+            offload = None
         self.reducer = GradReducer(self.spaces, topo, ReduceOptions.from_config(zc, partition_params),
                                    reduction_setup(self.config), offload)
         self.zero = ZeroOptimizer(self.spaces, self.reducer, topo)

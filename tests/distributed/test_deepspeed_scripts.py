@@ -224,7 +224,7 @@ def test_torch_compile_script(tmp_path: Path, ranks: int, stage: int) -> None:
 
 
 # DeepSpeed tests/small_model_debugging/partial_offload_test.py: fp16, ZeRO 2 with CPU optimizer
-# offload (its partial-offload ratio 0.3 is accepted: everything is offloaded), three 256-sample
+# offload of 30% of the parameters (its partial-offload ratio 0.3), three 256-sample
 # steps. Its model (4 x Linear(4096, 4096) in fp16, fixed in code) needs about 5 minutes on two
 # shared cores: run with HYBRID_RAY_LONG_SCRIPTS=1.
 @pytest.mark.skipif(os.environ.get("HYBRID_RAY_LONG_SCRIPTS") != "1",
@@ -233,4 +233,4 @@ def test_small_model_debugging_partial_offload(tmp_path: Path) -> None:
     out = _run("ds_partial_offload_test.py", ["--zero", "2"], 1, tmp_path, timeout=900)
     losses = [float(x) for x in re.findall(r"^LOSS: ([0-9.]+)$", out, re.M)]
     assert len(losses) == 3 and all(7.0 < x < 10.0 for x in losses), out[-3000:]
-    assert "[Rank 0] step=3, skipped=0" in out and "offload_optimizer.ratio=0.3" in out, out[-3000:]
+    assert "[Rank 0] step=3, skipped=0" in out and "offload_optimizer.ratio" not in out, out[-3000:]

@@ -27,6 +27,7 @@ import torch.nn as nn
 
 from hybrid_ray.engine import Engine
 from hybrid_ray.engine import Topology
+from hybrid_ray.engine.zero import partial
 from hybrid_ray.models import GPT, GPT_SIZES
 from tests.distributed import spawn
 
@@ -47,6 +48,12 @@ PARITY: Dict[str, Tuple[int, int, float, bool, dict]] = {
     # local shard of the partitioned parameters instead of all-gathered).
     "s3_dpu_acc_clip": (3, 2, 0.05, True, {"stage3_param_persistence_threshold": 1000,
                                          "stage3_prefetch_bucket_size": 5000}),
+    # Partial offload (offload_optimizer.ratio): part of the masters on the host, part on the
+    # "device", one optimizer over both; on the CPU the two placements are distinct buffers.
+    "s1_partial": (1, 1, 0.0, False, {"ratio": 0.5}),
+    "s2_partial_acc_clip": (2, 2, 0.05, False, {"ratio": 0.3}),
+    "s3_partial_acc_clip": (3, 2, 0.05, False, {"ratio": 0.5, "stage3_param_persistence_threshold": 1000,
+                                                "stage3_prefetch_bucket_size": 5000}),
 }
 FOUR_RANKS = ["s2_acc_clip", "s2_dpu_acc_clip"]
 OVERFLOW = {"fp16_s2": False, "fp16_s1_dpu": True}  # name -> delayed update
@@ -65,6 +72,9 @@ def batch(step: int, k: int, rank: int, world: int) -> Tuple[torch.Tensor, torch
 
 def config(stage: int, gas: int, clip: float, delayed: bool, extra: dict, precision: str = "fp32") -> dict:
     offload = {"device": "cpu", "pin_memory": True, "delayed_param_update": delayed}
+    extra = dict(extra)
+    if "ratio" in extra:
+        offload["ratio"] = extra.pop("ratio")
     cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas,
            "gradient_clipping": clip,
            "zero_optimization": {"stage": stage, "reduce_bucket_size": 3000, "offload_optimizer": offload,
@@ -89,6 +99,9 @@ def run_parity(rank: int, world: int, name: str, out: Path) -> None:
     stage, gas, clip, delayed, extra = PARITY[name]
     engine = new_engine(config(stage, gas, clip, delayed, extra))
     assert engine.optimizer.defaults.get("fused") is True  # the fast CPU kernel
+    if "ratio" in extra:  # both placements present, as the ratio asks
+        host, total = partial.offloaded_numel(engine.spaces)
+        assert 0 < host < total and host >= extra["ratio"] * total, (name, host, total)
     for step in range(STEPS):
         for k in range(gas):
             engine.backward(engine(*batch(step, k, rank, world)))

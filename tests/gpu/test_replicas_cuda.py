@@ -28,3 +28,35 @@ def test_every_snapshot_equals_the_masters_of_its_step(extra) -> None:
             state = e.optimizer.state[live]
             assert torch.equal(state["exp_avg_sq"].cpu(), copy["exp_avg_sq"])
     e.destroy()
+
+
+def test_replay_on_the_host_follows_the_device_update() -> None:
+    # Replay mode at one rank has no buddy: stand in for one. A copy of the shard on the host,
+    # stepped by the buddy's optimizer (built from the engine's spec, CPU kernel) with each
+    # step's gradient, follows the device's fused CUDA update within rounding.
+    from hybrid_ray.engine.replicas import replay, snapshot
+
+    e = engine({"bf16": {"enabled": True}, "zero_optimization": {"stage": 2},
+                "fault_tolerance": {"replicas": 1, "mode": "replay"}})
+    e.backward(e(*batch(0)))
+    e.step()  # the optimizer state exists from here on
+    ts = e.train_state()
+    copy = [{k: t.detach().cpu().clone() for k, t in ts_.items()} for ts_ in snapshot.shard_tensors(ts)]
+    stepper = replay.Stepper(replay.optimizer_spec(ts), copy)
+    apply = e.zero.apply
+
+    def mirrored(update):
+        if update is not None:  # what the buddy would receive, before the owner scales it
+            grads = [g.detach().cpu().clone() for g in update.grads]
+            hyper = replay.hyperparameters(update.optimizer)
+            stepper.apply(replay.Pending(e.global_steps, grads, update.coef, hyper, b""))
+        apply(update)
+    e.zero.apply = mirrored
+    for step in range(1, 4):
+        e.backward(e(*batch(step)))
+        e.step()
+        live = KEEPER.get("own", e.global_steps)  # the live state, by reference: on the device
+        assert live.tensors[0]["master"].device.type == "cuda"
+        for master, held in zip(e.zero.masters, copy):
+            assert torch.allclose(master.detach().cpu(), held["master"], rtol=0, atol=1e-6)
+    e.destroy()

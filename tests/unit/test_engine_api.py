@@ -271,9 +271,10 @@ def test_fp32_engine_equals_torch_adamw(clip: float, gas: int) -> None:
         ref_opt.step()
         assert engine.get_global_grad_norm() == pytest.approx(norm.item(), rel=1e-5)
         assert max_diff(model, ref) <= 1e-6, step
-    if clip == 0.0:  # without clipping nothing differs at all
-        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))
-    else:
+    # Not bitwise: the engine steps one flat master with torch's fused CPU kernel, whose
+    # vector body and scalar tail round differently (FMA), and which elements fall in the
+    # tail depends on the CPU's vector width and on how the tensors are cut.
+    if clip > 0.0:
         assert clipped == 5  # the clipped path really ran
     assert engine.global_steps == 5
 

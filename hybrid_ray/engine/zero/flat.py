@@ -80,6 +80,7 @@ class FlatSpace:
     def __init__(self, params: Sequence[nn.Parameter], dtype: torch.dtype, device: torch.device,
                  bucket_numel: int, num_shards: int, rank: int, group_index: int, whole: bool = True):
         self.dtype, self.device = dtype, device
+        self.offloaded = False  # optimizer offload: this space's masters live on the host (partial.py)
         # With one shard (stage 0) every rank owns the whole space.
         self.num_shards, self.rank, self.group_index = num_shards, rank if num_shards > 1 else 0, group_index
         self.params = list(params)

@@ -62,8 +62,8 @@ class ZeroOptimizer:
             # A space built from zero.Init partitions has no flat buffer, only its local shard.
             local = space.local_shard if space.local_shard is not None else space.gather_shard(space.flat)
             shard = local.to(torch.float32, copy=local is space.local_shard)
-            self.masters.append(torch.nn.Parameter(
-                shard if self.offload is None else self.offload.to_host(shard)))
+            host = self.offload is not None and space.offloaded
+            self.masters.append(torch.nn.Parameter(self.offload.to_host(shard) if host else shard))
         self.optimizer: Optional[torch.optim.Optimizer] = None
         # Parameters (by id) whose gradient another rank of topo.model_group counts in the norm
         # (a weight tied across pipeline stages): left out here so that it counts once.
@@ -76,8 +76,10 @@ class ZeroOptimizer:
 
     @property
     def master_device(self) -> torch.device:
-        """Where the masters, their gradients and the optimizer state live."""
-        return torch.device("cpu") if self.offload is not None else self.topo.device
+        """Where the masters, their gradients and the optimizer state live (with partial
+        offload, the device; each master's own `.device` says where it is)."""
+        whole = self.offload is not None and all(s.offloaded for s in self.spaces)
+        return torch.device("cpu") if whole else self.topo.device
 
     def master_groups(self) -> List[List[torch.nn.Parameter]]:
         """Masters grouped by the optimizer group their parameters came from."""
@@ -90,18 +92,13 @@ class ZeroOptimizer:
     def _sum_of_squares(self, grads: Optional[List[torch.Tensor]] = None) -> torch.Tensor:
         """Squared norm of this rank's master gradients (still scaled), summed over ranks."""
         per_space = [m.grad for m in self.masters] if grads is None else grads
-        grads = [g for g in per_space if g.numel() > 0]
-        if not grads:
-            local = torch.zeros((), dtype=torch.float32, device=self.topo.device)
-        elif grads[0].device.type == "cpu" and max(g.numel() for g in grads) >= _ROWS_FROM:
-            local = _cpu_square_sum(grads).float()
-        else:
-            # CPU reductions over one multi-million-element tensor accumulate naively in fp32
-            # (error ~1e-4 at 10M elements); fp64 accumulation makes the clip coefficient exact.
-            # CUDA reduces in a tree and needs no help.
-            acc = torch.float64 if grads[0].device.type == "cpu" else None
-            norms = torch._foreach_norm(grads, 2.0, dtype=acc)
-            local = torch.stack(norms).float().square().sum()
+        by_device: Dict[torch.device, List[torch.Tensor]] = {}
+        for g in per_space:
+            if g.numel() > 0:  # partial offload: host and device gradients, summed apart
+                by_device.setdefault(g.device, []).append(g)
+        parts = [_square_sum(gs).to(self.topo.device) for gs in by_device.values()]
+        local = torch.stack(parts).sum() if parts else \
+            torch.zeros((), dtype=torch.float32, device=self.topo.device)
         if self.norm_excluded:  # clamped: rounding must not turn an all-tied norm negative (nan)
             local = (local - self._excluded_squares(per_space)).clamp_min(0)
         if self.topo.world_size > 1 and self.reducer.sharded:
@@ -227,23 +224,30 @@ class ZeroOptimizer:
     def memory_breakdown(self) -> Dict[str, int]:
         """Bytes this rank holds now, by role (what the ZeRO formulas count).
 
-        With offload, the masters, master gradients and optimizer state are reported under
-        host_* keys and count zero on the device.
+        With offload, the host spaces' masters, master gradients and optimizer state are
+        reported under host_* keys (all of them unless offload_optimizer.ratio < 1).
         """
         grads = self.reducer.grads
-        state = [t for m in self.masters for t in self.optimizer.state.get(m, {}).values()
-                 if torch.is_tensor(t) and t.numel() > 1] if self.optimizer else []
+        host = [self.offload is not None and s.offloaded for s in self.spaces]
+
+        def state(m: torch.Tensor) -> int:
+            if self.optimizer is None:
+                return 0
+            return sum(_nbytes(t) for t in self.optimizer.state.get(m, {}).values()
+                       if torch.is_tensor(t) and t.numel() > 1)
         out = {
             "params": sum(_param_bytes(s) for s in self.spaces),
             "grads": sum(_nbytes(g.flat_grad) for g in grads if g.flat_grad is not None),
-            "master_params": sum(_nbytes(m) for m in self.masters),
-            "master_grads": sum(_nbytes(g.master_grad) for g in grads if g.master_grad is not None),
-            "optimizer_state": sum(_nbytes(t) for t in state),
+            "master_params": sum(_nbytes(m) for m, h in zip(self.masters, host) if not h),
+            "master_grads": sum(_nbytes(g.master_grad) for g in grads
+                                if g.master_grad is not None and g.offload is None),
+            "optimizer_state": sum(state(m) for m, h in zip(self.masters, host) if not h),
         }
         if self.offload is not None:
-            out.update(host_master_params=out["master_params"], host_master_grads=self.offload.grad_bytes(),
-                       host_optimizer_state=out["optimizer_state"], host_pinned=self.offload.pinned_bytes(),
-                       master_params=0, master_grads=0, optimizer_state=0)
+            out.update(host_master_params=sum(_nbytes(m) for m, h in zip(self.masters, host) if h),
+                       host_master_grads=self.offload.grad_bytes(),
+                       host_optimizer_state=sum(state(m) for m, h in zip(self.masters, host) if h),
+                       host_pinned=self.offload.pinned_bytes())
         return out
 
     @torch.no_grad()
@@ -296,6 +300,17 @@ class ZeroOptimizer:
 
 _ROW = 1 << 16
 _ROWS_FROM = 1 << 20  # smaller tensors take the exact fp64 path: cheap at that size
+
+
+def _square_sum(grads: List[torch.Tensor]) -> torch.Tensor:
+    """Sum of squares of gradients on one device, as an fp32 scalar there."""
+    if grads[0].device.type == "cpu" and max(g.numel() for g in grads) >= _ROWS_FROM:
+        return _cpu_square_sum(grads).float()
+    # CPU reductions over one multi-million-element tensor accumulate naively in fp32
+    # (error ~1e-4 at 10M elements); fp64 accumulation makes the clip coefficient exact.
+    # CUDA reduces in a tree and needs no help.
+    acc = torch.float64 if grads[0].device.type == "cpu" else None
+    return torch.stack(torch._foreach_norm(grads, 2.0, dtype=acc)).float().square().sum()
 
 
 def _cpu_square_sum(grads: List[torch.Tensor]) -> torch.Tensor:

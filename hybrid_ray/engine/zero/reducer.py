@@ -170,7 +170,8 @@ class GradReducer:
         self.carry: Dict[BucketKey, torch.Tensor] = {}
         self.compressor = None
         self.set_compression(reduction)
-        self.grads = [SpaceGrads(s, not self.partitioned_grads, i, offload) for i, s in enumerate(spaces)]
+        self.grads = [SpaceGrads(s, not self.partitioned_grads, i, offload if s.offloaded else None)
+                      for i, s in enumerate(spaces)]
         self._armed = False
         self._inflight: List[Callable[[], None]] = []
         self._hooks = []

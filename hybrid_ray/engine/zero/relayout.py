@@ -72,7 +72,9 @@ def import_state(spaces: List[FlatSpace], masters: List[torch.nn.Parameter],
         keys = set().union(*(state[id(p)].keys() for p in space.params)) if space.params else set()
         with torch.no_grad():
             master.copy_(shard_from_params(space, {id(p): state[id(p)]["master"] for p in space.params}))
-        entry = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in scalars.items()}
+        # Partial offload: host and device masters each keep their scalars (Adam's step) where
+        # their fused kernel reads them.
+        entry = {k: (v.to(master.device, copy=True) if torch.is_tensor(v) else v) for k, v in scalars.items()}
         for key in sorted(keys - {"master"}):  # sorted: a set's order differs between processes
             values = {id(p): state[id(p)][key] for p in space.params}
             entry[key] = shard_from_params(space, values).to(master.device)  # host when offloaded
