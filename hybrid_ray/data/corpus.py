@@ -25,6 +25,10 @@ class CorpusSpec:
 
     source: Optional[str] = None
     """Folder of text files; null means this Python's standard library (sysconfig 'stdlib')."""
+    sources: Tuple[str, ...] = ()
+    """Several sources read one after the other, instead of `source`: folders, or "stdlib" and
+    "purelib" (this Python's standard library and its installed packages, site-packages). Files
+    whose bytes another file already gave are skipped (vendored copies), so no text repeats."""
     extensions: Tuple[str, ...] = (".py", ".txt", ".rst", ".md")
     """File name endings to read (case-sensitive)."""
     exclude_dirs: Tuple[str, ...] = DEFAULT_EXCLUDE
@@ -45,6 +49,9 @@ class CorpusSpec:
     """Tokens per Arrow shard (the last shard of a split is shorter)."""
 
     def validate(self, path: str) -> None:
+        if self.sources and self.source is not None:
+            raise config_error(f"{path}.sources", "given together with source", list(self.sources),
+                               "keep one: sources lists every folder, source names one")
         if self.tokenizer == "bytes" and self.vocab_size is not None:
             raise config_error(f"{path}.vocab_size", "only for tokenizer 'bpe'", self.vocab_size,
                                "remove it: the byte tokenizer's vocabulary is fixed (257)")
@@ -58,11 +65,19 @@ class CorpusSpec:
         return self.vocab_size or 4096
 
     def to_dict(self) -> dict:
-        return to_plain(self)
+        out = to_plain(self)
+        if not self.sources:  # as datasets prepared before the key existed recorded it
+            out.pop("sources")
+        return out
 
 
-def source_root(spec: CorpusSpec) -> Path:
-    root = Path(spec.source) if spec.source else Path(sysconfig.get_paths()["stdlib"])
+NAMED_SOURCES = {"stdlib": "stdlib", "purelib": "purelib"}  # sysconfig path names
+
+
+def resolve_source(name: Optional[str]) -> Path:
+    """A folder, "stdlib" or "purelib" (None: "stdlib"), as an existing folder."""
+    name = name or "stdlib"
+    root = Path(sysconfig.get_paths()[NAMED_SOURCES[name]]) if name in NAMED_SOURCES else Path(name)
     if not root.is_dir():
         raise FileNotFoundError(f"data source {root}: not a folder")
     return root.resolve()
@@ -80,21 +95,6 @@ def list_files(root: Path, spec: CorpusSpec) -> List[Path]:
              and not exclude.intersection(p.relative_to(root).parts[:-1])]
     return sorted(files, key=lambda p: (len(p.relative_to(root).parts) > 1,
                                         p.relative_to(root).as_posix()))
-
-
-def take_files(files: List[Path], max_bytes: int) -> List[Tuple[Path, bytes]]:
-    """Non-empty files in order until the next would pass max_bytes (always at least one)."""
-    taken: List[Tuple[Path, bytes]] = []
-    total = 0
-    for path in files:
-        data = path.read_bytes()
-        if not data:
-            continue
-        if taken and total + len(data) > max_bytes:
-            break
-        taken.append((path, data))
-        total += len(data)
-    return taken
 
 
 def validation_files(names: List[str], sizes: List[int], fraction: float) -> List[bool]:
@@ -118,17 +118,56 @@ class Corpus:
     train: List[bytes]
     val: List[bytes]
     val_names: List[str]
+    roots: Tuple[Path, ...] = ()  # every source folder read, in order
+    digest: str = ""  # sha256 over the names and bytes taken, in order: what the text was
+    skipped_copies: int = 0  # files left out because an earlier file had the same bytes
+
+
+def _named_files(spec: CorpusSpec) -> Tuple[List[Tuple[str, Path]], Tuple[Path, ...]]:
+    """(name, path) of every matching file of every source, sources in order; names carry the
+    source's label when there are several."""
+    labels = list(spec.sources) or [spec.source]
+    roots = tuple(resolve_source(label) for label in labels)
+    named = []
+    for label, root in zip(labels, roots):
+        prefix = f"{label}/" if spec.sources else ""
+        named += [(prefix + p.relative_to(root).as_posix(), p) for p in list_files(root, spec)]
+    return named, roots
+
+
+def take_files(named: List[Tuple[str, Path]], max_bytes: int, unique: bool) -> Tuple[List[Tuple[str, bytes]], int]:
+    """Non-empty files in order until the next would pass max_bytes (always at least one);
+    `unique`: skipping a file whose bytes an earlier one had. (taken, skipped copies)."""
+    seen, taken, total, skipped = set(), [], 0, 0
+    for name, path in named:
+        data = path.read_bytes()
+        if not data:
+            continue
+        key = hashlib.sha256(data).digest()
+        if unique and key in seen:
+            skipped += 1
+            continue
+        if taken and total + len(data) > max_bytes:
+            break
+        seen.add(key)
+        taken.append((name, data))
+        total += len(data)
+    return taken, skipped
 
 
 def load_corpus(spec: CorpusSpec) -> Corpus:
-    """Read, cap and split the source folder; errors say which folder and what was found."""
-    root = source_root(spec)
-    taken = take_files(list_files(root, spec), spec.max_bytes)
+    """Read, cap and split the source folders; errors say which folder and what was found."""
+    named, roots = _named_files(spec)
+    taken, skipped = take_files(named, spec.max_bytes, unique=bool(spec.sources))
     if len(taken) < 2:
-        raise FileNotFoundError(f"data source {root}: found {len(taken)} non-empty file(s) ending "
-                                f"in {', '.join(spec.extensions)}; need at least 2 for a "
+        raise FileNotFoundError(f"data source {', '.join(map(str, roots))}: found {len(taken)} non-empty "
+                                f"file(s) ending in {', '.join(spec.extensions)}; need at least 2 for a "
                                 "train/validation split")
-    names = [p.relative_to(root).as_posix() for p, _ in taken]
+    digest = hashlib.sha256()
+    for name, data in taken:
+        digest.update(name.encode() + b"\0" + hashlib.sha256(data).digest())
+    names = [n for n, _ in taken]
     val = validation_files(names, [len(d) for _, d in taken], spec.val_fraction)
-    return Corpus(root, [d for (_, d), v in zip(taken, val) if not v],
-                  [d for (_, d), v in zip(taken, val) if v], [n for n, v in zip(names, val) if v])
+    return Corpus(roots[0], [d for (_, d), v in zip(taken, val) if not v],
+                  [d for (_, d), v in zip(taken, val) if v], [n for n, v in zip(names, val) if v],
+                  roots, digest.hexdigest(), skipped)

@@ -54,6 +54,8 @@ def prepare(spec: CorpusSpec, path: str, log: Callable[[str], None] = print) -> 
     splits = {name: _write_split(tok, docs, fs, f"{root}/{name}", spec.shard_tokens, dtype)
               for name, docs in (("train", corpus.train), ("val", corpus.val))}
     meta = {"format": FORMAT, "corpus": spec.to_dict(), "source": str(corpus.root),
+            "sources": [str(r) for r in corpus.roots], "corpus_sha256": corpus.digest,
+            "skipped_copies": corpus.skipped_copies,
             "python": sys.version.split()[0], "dtype": dtype.name,
             "tokenizer": {"kind": tok.kind, "vocab_size": tok.vocab_size, "eot_id": tok.eot_id},
             "splits": splits, "val_files": corpus.val_names}

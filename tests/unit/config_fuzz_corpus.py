@@ -61,6 +61,7 @@ ZERO3_OFFLOAD = {
 }
 _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 _CASE_FREE = {"optimizer.type", "scheduler.type"}  # Literal keys matched ignoring case
+_LEGACY_BOOL = {"zero_optimization"}  # sections DeepSpeed's old format gives as true/false (config/legacy.py)
 
 
 @dataclasses.dataclass

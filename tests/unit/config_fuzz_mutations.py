@@ -16,8 +16,8 @@ from hybrid_ray.config import Config
 from hybrid_ray.config.optim import (_DEEPSPEED_ONLY, ENGINE_CHOSEN, SCHEDULER_PARAMS,
                                      optimizer_params_schema)
 
-from tests.unit.config_fuzz_corpus import (_CASE_FREE, Mutation, batch_outcome, dotted, hint_at,
-                                           key_paths, leaf_paths, merged, renamed, replaced,
+from tests.unit.config_fuzz_corpus import (_CASE_FREE, _LEGACY_BOOL, Mutation, batch_outcome, dotted,
+                                           hint_at, key_paths, leaf_paths, merged, renamed, replaced,
                                            type_ok, with_batch)
 
 WRONG_TYPES = ["7", [], {}, True, 7, 1.5, [1, 2], None, float("nan"), float("inf")]
@@ -96,7 +96,8 @@ def wrong_types(name: str, base: dict, r: random.Random) -> Iterator[Mutation]:
         hint, null_ok = hint_at(base, path)
         literal = get_origin(_unwrap_optional(hint)) is Literal
         wrong = [v for v in WRONG_TYPES if v is not None and v != _at(base, path)
-                 and not type_ok(hint, v, dotted(path) in _CASE_FREE)]
+                 and not type_ok(hint, v, dotted(path) in _CASE_FREE)
+                 and not (isinstance(v, bool) and dotted(path) in _LEGACY_BOOL)]
         picks = r.sample(wrong, min(3, len(wrong))) + ([] if null_ok else [None])
         for value in picks:
             problem = "invalid value" if literal else "expected"

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.jobs_scripts import load_script
 from tests.unit.test_lm_job import TINY
@@ -29,18 +30,36 @@ def job_file(tmp_path_factory) -> Path:
 
 
 def test_ratio_one_is_dense_and_small_ratio_sends_fewer_bytes(job_file, tmp_path, capsys):
-    out = load_study().main(["--config", str(job_file), "--steps", "4", "--device", "cpu",
-                             "--variant", "topk:1.0:0", "--variant", "topk:0.01:2",
-                             "--out", str(tmp_path / "q.json")])
-    res = out["results"]
+    rows = load_study().main(["--config", str(job_file), "--steps", "4", "--device", "cpu", "--seeds", "2",
+                              "--variant", "topk:1.0:0", "--variant", "topk:0.01:2",
+                              "--out", str(tmp_path / "q.jsonl")])
+    res = {r["variant"]: r for r in rows}
     assert list(res) == ["dense", "topk:1.0:0", "topk:0.01:2"]  # dense is added as the baseline
-    assert res["topk:1.0:0"]["val_loss"] == res["dense"]["val_loss"]
+    assert res["topk:1.0:0"]["val_loss"] == res["dense"]["val_loss"]  # every seed, exactly
+    assert len(res["dense"]["val_loss"]) == 2 and res["dense"]["seeds"][1] == res["dense"]["seeds"][0] + 1
     assert res["topk:0.01:2"]["val_loss"] != res["dense"]["val_loss"]
-    assert 45 < res["topk:0.01:2"]["byte_ratio_after_warmup"] <= 50
-    assert res["topk:0.01:2"]["byte_ratio_whole_run"] < 5  # the two dense-ish warm-up steps count
-    assert json.loads((tmp_path / "q.json").read_text())["results"].keys() == res.keys()
+    assert 45 < res["topk:0.01:2"]["bytes_ratio_after_warmup"] <= 50
+    assert res["topk:0.01:2"]["bytes_ratio_whole_run"] < 5  # the two dense-ish warm-up steps count
+    assert not res["topk:0.01:2"]["meets_bar"]  # 5x over the whole run is short of 10x
+    corpus = res["dense"]["corpus"]
+    assert len(corpus["sha256"]) == 64 and corpus["train_tokens"] > 0 and res["dense"]["passes"] == 1
+    written = [json.loads(line) for line in (tmp_path / "q.jsonl").read_text().splitlines()]
+    assert [r["variant"] for r in written] == list(res)
     table = capsys.readouterr().out
     assert "| topk:0.01:2 |" in table and "| dense | " in table
+
+
+def test_no_window_is_seen_twice_unless_allowed():
+    study = load_study()
+    w = study.Windows(10, seed=1, allow_repeat=False, need=10)
+    seen = torch.cat([w.take(5), w.take(5)])
+    assert sorted(seen.tolist()) == list(range(10)) and w.passes == 1
+    with pytest.raises(SystemExit, match="needs 12 training windows, the corpus has 10"):
+        study.Windows(10, seed=1, allow_repeat=False, need=12)
+    w = study.Windows(10, seed=1, allow_repeat=True, need=12)
+    w.take(8)
+    w.take(4)  # the first pass has 2 left: a new permutation
+    assert w.passes == 2
 
 
 @pytest.mark.parametrize("bad", ["topk", "topk:0:10", "topk:0.01", "powersgd:4:0", "topk:x:1"])

@@ -135,3 +135,33 @@ def test_corpus_spec_is_strict():
         load_dataclass(CorpusSpec, {"tokeniser": "bpe"}, "data.corpus")
     with pytest.raises(ConfigError, match=r"^c.tokenizer: invalid value; got 'wordpiece'"):
         load_dataclass(CorpusSpec, {"tokenizer": "wordpiece"}, "c")
+    with pytest.raises(ConfigError, match=r"^c.sources: given together with source"):
+        load_dataclass(CorpusSpec, {"source": "/x", "sources": ["stdlib"]}, "c")
+
+
+def test_several_sources_are_read_in_order_without_repeated_files(tmp_path):
+    from hybrid_ray.config.loader import load_dataclass
+    from hybrid_ray.data.corpus import load_corpus
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    for root, files in ((a, {"one.py": "x = 1\n", "two.py": "y = 2\n"}),
+                        (b, {"copy.py": "x = 1\n", "three.txt": "z\n", "four.md": "w\n"})):
+        root.mkdir()
+        for name, text in files.items():
+            (root / name).write_text(text)
+    spec = load_dataclass(CorpusSpec, {"sources": [str(a), str(b)], "val_fraction": 0.2}, "data.corpus")
+    got = load_corpus(spec)
+    assert got.roots == (a.resolve(), b.resolve()) and got.skipped_copies == 1  # b/copy.py is a/one.py
+    assert sorted(got.train + got.val) == sorted([b"x = 1\n", b"y = 2\n", b"z\n", b"w\n"])
+    assert got.val_names[0].startswith((str(a), str(b)))  # names carry their source
+    assert load_corpus(spec).digest == got.digest and len(got.digest) == 64
+    (b / "four.md").write_text("changed\n")
+    assert load_corpus(spec).digest != got.digest  # the digest says what the text was
+    meta = prepare(load_dataclass(CorpusSpec, {"sources": [str(a), str(b)], "tokenizer": "bytes",
+                                                "val_fraction": 0.2}, "data.corpus"), str(tmp_path / "ds"))
+    assert meta["sources"] == [str(a.resolve()), str(b.resolve())] and meta["skipped_copies"] == 1
+    assert meta["corpus_sha256"] and "sources" in meta["corpus"]
+
+
+def test_a_spec_without_sources_matches_datasets_prepared_before_the_key():
+    assert "sources" not in CorpusSpec().to_dict()
