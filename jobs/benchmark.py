@@ -53,6 +53,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--bucket", type=float, default=5e7, help="hybrid reduce_bucket_size (elements)")
     p.add_argument("--offload", action="store_true", help="hybrid/deepspeed: optimizer offload to the CPU")
+    p.add_argument("--offload-ratio", default="1.0",
+                   help="hybrid with --offload: offload_optimizer.ratio, a fraction or 'auto' (partial offload)")
     p.add_argument("--overlap-gather", action="store_true",
                    help="hybrid stages 1-2: zero_optimization.overlap_param_gather")
     p.add_argument("--compile", action="store_true",
@@ -124,7 +126,8 @@ def _hybrid_step(a: argparse.Namespace, model: nn.Module) -> Callable:
                                  "overlap_param_gather": a.overlap_gather}}
     if a.offload:
         cfg["zero_optimization"]["offload_optimizer"] = {
-            "device": "cpu", "pin_memory": True, "delayed_param_update": a.delayed_update}
+            "device": "cpu", "pin_memory": True, "delayed_param_update": a.delayed_update,
+            "ratio": a.offload_ratio if a.offload_ratio == "auto" else float(a.offload_ratio)}
     if a.dtype != "fp32":
         cfg[a.dtype] = {"enabled": True}
     if a.norm_activations:
@@ -228,7 +231,8 @@ def measure(a: argparse.Namespace) -> None:
                mfu=round(flops_tok * tok / dt / a.peak, 4) if cuda else None,
                peak_mem_gb=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
                loss=round(loss.item(), 3), norm_activations=a.norm_activations if sharded else None,
-               replicas=a.replicas if a.impl == "hybrid" else 0, replay=bool(a.replay and a.replicas))
+               replicas=a.replicas if a.impl == "hybrid" else 0, replay=bool(a.replay and a.replicas),
+               offload_ratio=a.offload_ratio if a.offload and a.impl == "hybrid" else None)
     if rank == 0:
         print("RESULT " + json.dumps(res), flush=True)
     dist.destroy_process_group()
@@ -308,6 +312,7 @@ def _medians(rounds: List[List[dict]]) -> List[dict]:
 def _launch(a: argparse.Namespace, spec: dict, nproc: int, gpu: bool) -> Optional[dict]:
     args = ["--measure", "--impl", spec["impl"], "--stage", str(spec.get("stage", 1)),
             *(["--offload"] if spec.get("offload") else []),
+            *(["--offload-ratio", str(spec["offload_ratio"])] if "offload_ratio" in spec else []),
             *(["--delayed-update"] if spec.get("delayed") else []),
             *(["--compile"] if spec.get("compile") else []),
             *(["--overlap-gather"] if spec.get("overlap_gather") else []),
@@ -344,6 +349,7 @@ def print_table(results: List[dict], baseline: Optional[str] = None, settings: O
     for r in results:
         name = r["impl"] + (f" ZeRO-{r['stage']}" if r["stage"] is not None else "")
         name += (" +offload" if r.get("offload") else "") + (" DPU" if r.get("delayed_update") else "")
+        name += f" ratio {r['offload_ratio']}" if r.get("offload_ratio") not in (None, "1.0") else ""
         name += " half-norm" if r.get("norm_activations") == "half" else ""
         name += " compiled" if r.get("compile") else ""
         name += f" overlap-gather/{r['bucket']:.0e}" if r.get("overlap_gather") else ""

@@ -42,12 +42,18 @@ SUITES: Dict[str, List[dict]] = {
     "offload1": [dict(impl="torch", model="1.3b"), dict(impl="hybrid", stage=2, offload=True, model="1.3b"),
                  dict(impl="hybrid", stage=2, offload=True, delayed=True, model="1.3b"),
                  dict(impl="deepspeed", stage=2, offload=True, model="1.3b")],
+    # Partial offload (offload_optimizer.ratio): half of the optimizer state on the host, or what
+    # does not fit in half the free device memory ("auto"), against DeepSpeed's whole offload.
+    "offload-ratio-gpu1": [dict(impl="deepspeed", stage=2, offload=True, model="1.3b"),
+                           dict(impl="hybrid", stage=2, offload=True, model="1.3b"),
+                           dict(impl="hybrid", stage=2, offload=True, offload_ratio=0.5, model="1.3b"),
+                           dict(impl="hybrid", stage=2, offload=True, offload_ratio="auto", model="1.3b")],
     # The two-GPU offload target: 1.3B, ZeRO-2 + offload, against DeepSpeed's own.
     "offload2": [dict(impl="deepspeed", stage=2, offload=True, model="1.3b"),
                  dict(impl="hybrid", stage=2, offload=True, model="1.3b"),
                  dict(impl="hybrid", stage=2, offload=True, delayed=True, model="1.3b")],
 }
 # The ratio column is against this implementation (default: plain torch or DDP, else the first).
-BASELINE = {"zero3-gpu2-1.3b": "fsdp2", "offload2": "deepspeed"}
+BASELINE = {"zero3-gpu2-1.3b": "fsdp2", "offload2": "deepspeed", "offload-ratio-gpu1": "deepspeed"}
 # ... and among several rows of that implementation, the one with these settings.
 BASELINE_SETTINGS = {"compile-gpu1": {"compile": True}, "compile-gpu1-1.3b": {"compile": True}}
