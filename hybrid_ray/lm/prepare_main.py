@@ -80,5 +80,6 @@ def main(argv: Optional[List[str]] = None) -> int:
         return EXIT_CONFIG
     tr, va = meta["splits"]["train"], meta["splits"]["val"]
     print(f"dataset {path}: {meta['tokenizer']['kind']} vocabulary {meta['tokenizer']['vocab_size']}, "
-          f"train {tr['tokens']:,} tokens, val {va['tokens']:,} tokens (source {meta['source']})")
+          f"train {tr['tokens']:,} tokens, val {va['tokens']:,} tokens "
+          f"(source {', '.join(meta.get('sources') or [meta['source']])})")
     return 0
