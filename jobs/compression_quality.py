@@ -15,7 +15,8 @@ warm-up 3.2% against 3.9%.
     python jobs/compression_quality.py --config jobs/configs/quality.json \
         --variant dense --variant topk:0.01:200 --variant topk:0.05:100 [--steps 3000] [--seeds 3]
 
-A variant is `dense` or `topk:RATIO:WARMUP_STEPS`. Prints one row per variant (mean over seeds,
+A variant is `dense` or `topk:RATIO:WARMUP_STEPS[:VALUES[:INDICES]]` (VALUES fp32, bf16 or int8;
+INDICES int32 or block16: gradient_compression.topk_values / topk_indices). Prints one row per variant (mean over seeds,
 and the seeds' range) with the gap to dense and the byte ratio after the warm-up and over the
 whole run, and appends the rows as JSON to benchmarks/runs/<date>-quality-<steps>x<ranks>.jsonl
 (or --out) with the corpus they were measured on (sources, bytes, tokens, sha256).
@@ -47,6 +48,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hybrid_ray.data import ensure_prepared, open_split  # noqa: E402
+from hybrid_ray.engine.compression.codec import VALUE_BYTES, PairCodec  # noqa: E402
 from hybrid_ray.engine.compression.topk import TopK  # noqa: E402
 from hybrid_ray.engine.precision import is_norm  # noqa: E402
 from hybrid_ray.engine.schedulers import build_scheduler  # noqa: E402
@@ -60,23 +62,27 @@ class Variant:
     name: str
     ratio: Optional[float] = None  # None: dense
     warmup: int = 0
+    codec: PairCodec = PairCodec()
 
 
 def parse_variant(text: str) -> Variant:
-    """`dense` or `topk:RATIO:WARMUP`; a one-line error otherwise."""
+    """`dense` or `topk:RATIO:WARMUP[:VALUES[:INDICES]]`; a one-line error otherwise."""
     if text == "dense":
         return Variant("dense")
     parts = text.split(":")
     try:
-        if parts[0] != "topk" or len(parts) != 3:
+        if parts[0] != "topk" or not 3 <= len(parts) <= 5:
             raise ValueError
         ratio, warmup = float(parts[1]), int(parts[2])
-        if not 0 < ratio <= 1 or warmup < 0:
+        codec = PairCodec(*parts[3:])
+        if not 0 < ratio <= 1 or warmup < 0 or codec.values not in VALUE_BYTES \
+                or codec.indices not in ("int32", "block16"):
             raise ValueError
     except ValueError:
-        raise SystemExit(f"--variant {text!r}: expected 'dense' or 'topk:RATIO:WARMUP' "
-                         "(0 < RATIO <= 1, WARMUP >= 0), e.g. topk:0.01:200")
-    return Variant(text, ratio, warmup)
+        raise SystemExit(f"--variant {text!r}: expected 'dense' or 'topk:RATIO:WARMUP[:VALUES[:INDICES]]' "
+                         "(0 < RATIO <= 1, WARMUP >= 0, VALUES fp32|bf16|int8, INDICES int32|block16), "
+                         "e.g. topk:0.01:200 or topk:0.05:100:int8:block16")
+    return Variant(text, ratio, warmup, codec)
 
 
 def load_windows(job: Job, device: torch.device):
@@ -127,7 +133,7 @@ def run(job: Job, variant: Variant, steps: int, seed: int, ranks: int, data, all
     opt = getattr(torch.optim, e.optimizer.type)(model.parameters(), **e.optimizer.params)
     sched = build_scheduler(_with_total(e.scheduler, steps), opt)
     buckets = buckets_of(model)
-    comps = [TopK(variant.ratio, variant.warmup) for _ in range(ranks)] if variant.ratio else None
+    comps = [TopK(variant.ratio, variant.warmup, codec=variant.codec) for _ in range(ranks)] if variant.ratio else None
     micro = e.train_micro_batch_size_per_gpu
     windows = Windows(train.shape[0], seed, allow_repeat, steps * micro * ranks)
     sent = dense_bytes = sent_after = dense_after = 0
@@ -144,9 +150,9 @@ def run(job: Job, variant: Variant, steps: int, seed: int, ranks: int, data, all
                     total.add_(grad)
                     nbytes = grad.numel() * 4
                 else:
-                    i, v = comps[r].select((0, key), grad)
+                    i, v, payload = comps[r].select((0, key), grad)
                     total.index_add_(0, i.long(), v)
-                    nbytes = (i.numel() + v.numel()) * 4
+                    nbytes = payload.numel()
                 sent, dense_bytes = sent + nbytes, dense_bytes + grad.numel() * 4
                 if comps is None or step >= variant.warmup:
                     sent_after, dense_after = sent_after + nbytes, dense_after + grad.numel() * 4

@@ -188,6 +188,12 @@ class CompressionConfig:
     `Engine.set_gradient_compression`."""
     topk_ratio: float = checked(0.01, gt=0, le=1)
     """topk: fraction of each bucket's gradient elements sent per reduction."""
+    topk_values: Literal["fp32", "bf16", "int8"] = "fp32"
+    """topk: how the kept values travel: fp32, bf16, or int8 with one scale per 256 values; what
+    the rounding loses stays in the error-feedback residual."""
+    topk_indices: Literal["int32", "block16"] = "int32"
+    """topk: how the kept positions travel: int32, or block16 (16-bit offsets within blocks of
+    65,536 elements, 2 bytes per kept element). int8 + block16: 3 bytes per element, not 8."""
     rank: int = checked(1, ge=1)
     """powersgd: rank of the low-rank approximation (capped per matrix at min(rows, cols))."""
     warmup_steps: int = checked(0, ge=0)

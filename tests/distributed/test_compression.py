@@ -51,6 +51,11 @@ SCENARIOS.update({
                                                           "warmup_steps": 2}}),
     "topk001_s3": (3, 1, {"zero_optimization": S3,
                           "gradient_compression": {"type": "topk", "topk_ratio": 0.01}}),
+    # Cheaper payloads: 16-bit block indices lose nothing; int8 values round into the residual.
+    "topk1_s2_block16": (2, 2, {"gradient_compression": {"type": "topk", "topk_ratio": 1.0,
+                                                          "topk_indices": "block16"}}),
+    "topk001_s2_int8": (2, 1, {"gradient_compression": {"type": "topk", "topk_ratio": 0.01,
+                                                         "topk_values": "int8", "topk_indices": "block16"}}),
     # Every matrix is below the compression threshold at this rank: reduced densely.
     "psgd_dense_s1": (1, 2, PSGD_FULL),
     "psgd_warmup_s0": (0, 1, {"gradient_compression": {"type": "powersgd", "rank": 2, "warmup_steps": 2}}),
@@ -322,6 +327,16 @@ def test_topk_001_sends_30x_fewer_bytes(results):
         # dense_s2 reduces twice per step (accumulation 2 at stage 2), topk001_s2 once.
         assert r["topk001_s2"]["stats"][-1]["dense_bytes"] * 2 == dense["dense_bytes"]
         assert dense["ratio"] == 1.0
+
+
+def test_cheaper_topk_payloads(results):
+    for r in results:  # block16 indices are exact: the same update as dense
+        assert_params_close(r["topk1_s2_block16"]["params"], r["dense_s2"]["params"], 1e-6)
+        # int8 values and block16 indices: 3 bytes per kept element instead of 8
+        cheap, plain = r["topk001_s2_int8"]["stats"][-1], r["topk001_s2"]["stats"][-1]
+        # (less on buckets this small: a scale per 256 values and a count per index block)
+        assert 2.2 < cheap["ratio"] / plain["ratio"] < 2.7 and cheap["ratio"] >= 80, (cheap, plain)
+    assert_params_close(results[0]["topk001_s2_int8"]["params"], results[1]["topk001_s2_int8"]["params"], 0)
 
 
 def test_warmup_starts_dense_and_reaches_ratio(results):

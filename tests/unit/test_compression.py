@@ -11,6 +11,7 @@ import torch.nn as nn
 from hybrid_ray.config import ConfigError, load_config
 from hybrid_ray.engine.comm import probe_bandwidth
 from hybrid_ray.engine.compression.stats import CommStats, StepTimer
+from hybrid_ray.engine.compression.codec import BLOCK, PairCodec
 from hybrid_ray.engine.compression.topk import TopK
 from hybrid_ray.engine import Engine
 from hybrid_ray.engine.compression.powersgd import PowerSGD, _Plan
@@ -58,7 +59,7 @@ def test_half_compression_agrees_with_equal_communication_dtype():
 def test_select_keeps_largest_and_residual_is_the_rest_exactly():
     topk = TopK(0.25)
     grad = torch.tensor([1.0, -8.0, 2.0, 0.5, 3.0, -4.0, 0.0, 1.5])
-    idx, values = topk.select((0, 0), grad)
+    idx, values, _ = topk.select((0, 0), grad)
     assert sorted(idx.tolist()) == [1, 5]
     dense = torch.zeros(8).index_add_(0, idx.long(), values)
     assert torch.equal(dense + topk.residuals[(0, 0)], grad)
@@ -73,12 +74,46 @@ def test_error_feedback_sum_sent_plus_residual_equals_sum_of_gradients():
     for _ in range(200):
         grad = torch.randint(-50, 51, (500,), generator=g).float()
         true += grad
-        idx, values = topk.select((0, 3), grad)
+        idx, values, _ = topk.select((0, 3), grad)
         sent.index_add_(0, idx.long(), values)
         topk.on_step(False, 1.0)
         norms.append(topk.residual_norm())
     assert torch.equal(sent + topk.residuals[(0, 3)], true)
     assert max(norms[100:]) < 2 * max(norms[:100])  # bounded: no growth with the step count
+
+
+@pytest.mark.parametrize("values,indices", [("fp32", "int32"), ("bf16", "block16"), ("int8", "block16"),
+                                            ("int8", "int32")])
+def test_cheaper_payloads_decode_to_what_the_residual_left_out(values, indices):
+    # Whatever the encoding, a receiver decodes exactly the values the sender took out of its
+    # residual: sent + residual is the gradient (to fp32 rounding of the subtraction), and the
+    # bytes are the codec's size.
+    codec = PairCodec(values, indices)
+    topk, g = TopK(0.05, codec=codec), torch.Generator().manual_seed(0)
+    numel = 3 * BLOCK + 1000  # several index blocks, the last one partial
+    sent_sum, true = torch.zeros(numel), torch.zeros(numel)
+    for _ in range(5):
+        grad = torch.randn(numel, generator=g)
+        true += grad
+        idx, sent, payload = topk.select((0, 0), grad)
+        k = idx.numel()
+        assert payload.dtype == torch.uint8 and payload.numel() == codec.nbytes(k, numel)
+        got_idx, got_values = codec.decode(payload, k, numel)
+        assert torch.equal(got_idx, idx.long()) and torch.equal(got_values, sent)
+        sent_sum.index_add_(0, got_idx, got_values)
+    assert torch.allclose(sent_sum + topk.residuals[(0, 0)], true, atol=1e-5)
+    per_element = codec.nbytes(k, numel) / k
+    assert per_element == pytest.approx({("fp32", "int32"): 8, ("bf16", "block16"): 4,
+                                         ("int8", "block16"): 3, ("int8", "int32"): 5}[(values, indices)], rel=0.02)
+
+
+def test_int8_rounding_goes_into_the_residual():
+    topk = TopK(1.0, codec=PairCodec("int8", "int32"))
+    grad = torch.tensor([1.0, 0.3, -0.7, 0.001])
+    idx, sent, _ = topk.select((0, 0), grad)
+    dense = torch.zeros(4).index_add_(0, idx.long(), sent)
+    assert dense[3] == 0.0 and not torch.equal(dense, grad)  # 0.001 is below the chunk's int8 step
+    assert torch.allclose(dense + topk.residuals[(0, 0)], grad, atol=1e-7)
 
 
 def test_without_error_feedback_no_residual_is_kept():
@@ -232,8 +267,9 @@ def test_set_gradient_compression_validates_like_the_config():
 def test_set_gradient_compression_switches_between_steps_only():
     engine = small_engine()
     engine.set_gradient_compression({"type": "powersgd", "rank": 2, "warmup_steps": 1})
-    assert engine.gradient_compression == {"type": "powersgd", "topk_ratio": 0.01, "rank": 2,
-                                           "warmup_steps": 1, "error_feedback": True}
+    assert engine.gradient_compression == {"type": "powersgd", "topk_ratio": 0.01, "topk_values": "fp32",
+                                           "topk_indices": "int32", "rank": 2, "warmup_steps": 1,
+                                           "error_feedback": True}
     assert engine.config.gradient_compression.rank == 2
     micro_step(engine)
     with pytest.raises(RuntimeError, match="inside a gradient accumulation window"):

@@ -62,7 +62,17 @@ def test_no_window_is_seen_twice_unless_allowed():
     assert w.passes == 2
 
 
-@pytest.mark.parametrize("bad", ["topk", "topk:0:10", "topk:0.01", "powersgd:4:0", "topk:x:1"])
+@pytest.mark.parametrize("bad", ["topk", "topk:0:10", "topk:0.01", "powersgd:4:0", "topk:x:1",
+                                 "topk:0.1:0:int4", "topk:0.1:0:int8:int16"])
 def test_bad_variant_is_one_line(bad):
-    with pytest.raises(SystemExit, match=r"^--variant .*expected 'dense' or 'topk:RATIO:WARMUP'"):
+    with pytest.raises(SystemExit, match=r"^--variant .*expected 'dense' or 'topk:RATIO:WARMUP"):
         load_study().parse_variant(bad)
+
+
+def test_a_cheaper_payload_is_counted_in_its_own_bytes(job_file, tmp_path):
+    rows = load_study().main(["--config", str(job_file), "--steps", "3", "--device", "cpu", "--seeds", "1",
+                              "--variant", "topk:0.01:0", "--variant", "topk:0.01:0:int8:block16",
+                              "--out", str(tmp_path / "q.jsonl")])
+    res = {r["variant"]: r for r in rows}
+    ratio = res["topk:0.01:0:int8:block16"]["bytes_ratio_whole_run"] / res["topk:0.01:0"]["bytes_ratio_whole_run"]
+    assert 2.3 < ratio < 2.8  # 3 bytes per kept element and a few block counts, against 8

@@ -13,11 +13,12 @@ import torch
 
 from ..precision import dtype_of
 from .base import BucketKey, ErrorFeedback, Layout
+from .codec import PairCodec
 from .powersgd import PowerSGD
 from .stats import CommStats, StepTimer
 from .topk import TopK
 
-__all__ = ["BucketKey", "CommStats", "ErrorFeedback", "Layout", "PowerSGD", "Reduction",
+__all__ = ["BucketKey", "CommStats", "ErrorFeedback", "Layout", "PairCodec", "PowerSGD", "Reduction",
            "StepTimer", "TopK", "build_compressor", "reduction_setup"]
 
 
@@ -35,7 +36,7 @@ class Reduction:
 def build_compressor(gc) -> Optional[ErrorFeedback]:
     """The compressor for a `gradient_compression` section (None: a dense reduction)."""
     if gc.type == "topk":
-        return TopK(gc.topk_ratio, gc.warmup_steps, gc.error_feedback)
+        return TopK(gc.topk_ratio, gc.warmup_steps, gc.error_feedback, PairCodec(gc.topk_values, gc.topk_indices))
     if gc.type == "powersgd":
         return PowerSGD(gc.rank, gc.warmup_steps, gc.error_feedback)
     return None

@@ -4,8 +4,8 @@ For each bucket a rank adds its fp32 residual to the gradient, keeps the k large
 entries of that sum and carries the rest as the new residual, so `sent + residual == gradient +
 old residual` exactly and nothing is lost, only delayed. k is the same on every rank (it depends
 only on the bucket size and the step), so the (index, value) pairs travel in one fixed-size
-all_gather per bucket (the int32 indices bit-cast to float32 and packed behind the values): gloo
-and NCCL both do that, neither has a sparse all-reduce. Each rank then sums the received pairs
+all_gather per bucket, packed as bytes by codec.py (fp32, bf16 or int8 values; int32 or 16-bit
+block-relative indices): gloo and NCCL both do that, neither has a sparse all-reduce. Each rank then sums the received pairs
 that fall into the part of the bucket it keeps: the whole bucket at stage 0, its ZeRO shard slice
 at stages 1-3. The result is the same dense sum the reduce-scatter would have produced, so
 averaging, clipping and the optimizer continue unchanged.
@@ -20,14 +20,16 @@ import torch.distributed as dist
 
 from .. import comm
 from .base import BucketKey, ErrorFeedback, Layout
+from .codec import PairCodec
 
 
 class TopK(ErrorFeedback):
     """Top-k sparsification with error feedback and an exponential density warm-up."""
 
-    def __init__(self, ratio: float, warmup_steps: int = 0, error_feedback: bool = True):
+    def __init__(self, ratio: float, warmup_steps: int = 0, error_feedback: bool = True,
+                 codec: PairCodec = PairCodec()):
         super().__init__(warmup_steps, error_feedback)
-        self.ratio = ratio
+        self.ratio, self.codec = ratio, codec
 
     def density(self) -> float:
         """1.0 at step 0, falling geometrically to `ratio` at `warmup_steps` and after."""
@@ -38,19 +40,24 @@ class TopK(ErrorFeedback):
     def k_for(self, numel: int) -> int:
         return max(1, min(numel, math.ceil(self.density() * numel)))
 
-    def select(self, key: BucketKey, grad: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        """(int32 indices, fp32 values) to send for one bucket; the remainder becomes the residual."""
+    def select(self, key: BucketKey, grad: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(int32 indices, the values as receivers decode them, payload bytes) for one bucket;
+        the remainder, rounding included, becomes the residual."""
         acc = grad.to(torch.float32, copy=True)  # never alias the flat gradient buffer
         residual = self.residuals.get(key)
         if residual is not None:
             acc.add_(residual)
         k = self.k_for(acc.numel())
         idx = torch.topk(acc.abs(), k, sorted=False).indices
-        values = acc[idx]
+        if self.codec.sorted:
+            idx = idx.sort().values
+        payload, sent = self.codec.encode(idx, acc[idx], acc.numel())
         if self.error_feedback:
-            acc[idx] = 0.0  # what is sent leaves the residual; the rest waits for a later step
+            # What is sent leaves the residual (all of it in fp32: exactly zero stays); the rest,
+            # and what the values' rounding lost, waits for a later step.
+            acc[idx] = acc[idx] - sent
             self.residuals[key] = acc
-        return idx.to(torch.int32), values
+        return idx.to(torch.int32), sent, payload
 
     def exchange(self, key: BucketKey, grad: torch.Tensor, lo: int, hi: int,
                  group: Optional[dist.ProcessGroup], layout: Optional[Layout] = None
@@ -60,22 +67,22 @@ class TopK(ErrorFeedback):
         Returns (payload bytes sent, finish): finish() waits and returns the fp32 sum over all
         ranks of the bucket's entries [lo, hi) (bucket-relative; this rank's part).
         """
+        numel = grad.numel()
         with self.timer.span("compress"):
-            idx, values = self.select(key, grad)
+            idx, _, payload = self.select(key, grad)
             k = idx.numel()
-            payload = torch.cat([values, idx.view(torch.float32)])
         world = dist.get_world_size(group)
-        gathered = torch.empty(world * 2 * k, dtype=torch.float32, device=payload.device)
+        gathered = torch.empty(world * payload.numel(), dtype=torch.uint8, device=payload.device)
         work = comm.all_gather(gathered, payload, group=group, async_op=True)
 
         def finish() -> torch.Tensor:
             self.timer.wait(work)
-            pairs = gathered.view(world, 2 * k)
-            all_values = pairs[:, :k].reshape(-1)
-            all_idx = pairs[:, k:].contiguous().view(torch.int32).reshape(-1).long()
+            pairs = [self.codec.decode(row, k, numel) for row in gathered.view(world, -1)]
+            all_idx = torch.cat([i for i, _ in pairs])
+            all_values = torch.cat([v for _, v in pairs])
             out = torch.zeros(hi - lo, dtype=torch.float32, device=gathered.device)
-            if lo == 0 and hi == grad.numel():
+            if lo == 0 and hi == numel:
                 return out.index_add_(0, all_idx, all_values)
             mine = (all_idx >= lo) & (all_idx < hi)
             return out.index_add_(0, all_idx[mine] - lo, all_values[mine])
-        return payload.numel() * payload.element_size(), finish
+        return payload.numel(), finish
