@@ -25,6 +25,7 @@ from typing import Dict, List, Mapping, Optional, Union
 
 from hybrid_ray.config import CompressionConfig
 from hybrid_ray.config.loader import load_dataclass, to_plain
+from hybrid_ray.engine.compression.codec import PairCodec
 
 from .records import Interval  # one logging interval of rank 0, as the workers report it
 
@@ -55,12 +56,14 @@ def describe(setting: Section) -> str:
 
 def candidates(auto: Section) -> List[Dict]:
     """What `gradient_compression: {type: auto, ...}` lets the driver choose from: bf16, top-k at
-    the section's topk_ratio, PowerSGD at its rank, each with its warmup_steps and error_feedback
-    (the config's defaults where the job sets none: topk_ratio 0.01, rank 1)."""
+    the section's topk_ratio (and its payload encoding), PowerSGD at its rank, each with its
+    warmup_steps and error_feedback (the config's defaults where the job sets none: topk_ratio
+    0.01, rank 1)."""
     auto = section(auto)
     common = {"warmup_steps": auto.warmup_steps, "error_feedback": auto.error_feedback}
     return [{"type": "bf16"},
-            {"type": "topk", "topk_ratio": auto.topk_ratio, **common},
+            {"type": "topk", "topk_ratio": auto.topk_ratio, "topk_values": auto.topk_values,
+             "topk_indices": auto.topk_indices, **common},
             {"type": "powersgd", "rank": auto.rank, **common}]
 
 
@@ -166,8 +169,10 @@ class CompressionPolicy:
         n, kind = self.world_size, option["type"]
         if kind in ("bf16", "fp16"):
             return 0.5
-        if kind == "topk":
-            return (n - 1) * 2 * option.get("topk_ratio", 0.01) / (2 * (n - 1) / n)
+        if kind == "topk":  # bytes per kept element against 4 per dense one (codec.py)
+            codec = PairCodec(option.get("topk_values", "fp32"), option.get("topk_indices", "int32"))
+            per_kept = codec.nbytes(1 << 20, 1 << 20) / (1 << 20) / 4
+            return (n - 1) * per_kept * option.get("topk_ratio", 0.01) / (2 * (n - 1) / n)
         return 1 / 16
 
     def _next_trial(self) -> Decision:
