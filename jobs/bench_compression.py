@@ -290,7 +290,9 @@ def summarize(args, link_info: dict, ranks: List[dict]) -> dict:
 def policy_replay(res: dict) -> List[str]:
     """What the Ray driver's policy (gradient_compression type auto) decides when fed these
     measurements: the dense run's median step and exposed communication first, then each
-    setting it asks to try, as if measured live. Checks the policy against the measured best."""
+    setting it asks to try, as if measured live. Checks the policy against the measured best.
+    Speed only: the recorded quality gate (max_quality_loss) is off here, so every measured
+    setting stays a candidate."""
     from hybrid_ray.cluster.compression_policy import DENSE, CompressionPolicy, Interval
 
     measured = {json.dumps(s["compression"] or DENSE, sort_keys=True): s
@@ -299,7 +301,7 @@ def policy_replay(res: dict) -> List[str]:
     if not dense or not dense["available"] or dense.get("engine_comm_wait_s_median") is None:
         return []
     options = [s["compression"] for n, s in res["settings"].items() if s["available"] and n != "dense"]
-    policy = CompressionPolicy(options)
+    policy = CompressionPolicy(options, max_quality_loss=None)
     bw = res["link"]["measured"]["bus_bytes_per_s"]
     reasons = [d.reason for d in [policy.on_group(WORLD, bw)] if d]
     current, sample = 0, dense

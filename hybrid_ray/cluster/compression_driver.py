@@ -26,7 +26,8 @@ class CompressionCoordinator:
         self.section = section(settings)
         self.auto = self.section.type == "auto"
         self.send, self.event, self.tag = send, event, tag
-        self.policy = CompressionPolicy(candidates(self.section), intervals=intervals) if self.auto else None
+        self.policy = CompressionPolicy(candidates(self.section), intervals=intervals,
+                                        max_quality_loss=self.section.max_quality_loss) if self.auto else None
 
     def on_link(self, probe: LinkProbe) -> None:
         """A group formed and measured its link: the policy starts over."""

@@ -21,12 +21,13 @@ a directive the workers apply at the same step (context.agree_on_directive).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Mapping, Optional, Union
+from typing import Dict, List, Mapping, Optional, Tuple, Union
 
 from hybrid_ray.config import CompressionConfig
 from hybrid_ray.config.loader import load_dataclass, to_plain
 from hybrid_ray.engine.compression.codec import PairCodec
 
+from .quality_record import recorded_gap
 from .records import Interval  # one logging interval of rank 0, as the workers report it
 
 DENSE: Dict = {"type": "none"}
@@ -67,6 +68,24 @@ def candidates(auto: Section) -> List[Dict]:
             {"type": "powersgd", "rank": auto.rank, **common}]
 
 
+def quality_gate(options: List[Dict], max_loss: Optional[float]) -> Tuple[List[Dict], List[str]]:
+    """(the options whose recorded quality gap is within max_loss, a note for each left out or
+    never measured)."""
+    kept, notes = [], []
+    for option in options:
+        record = recorded_gap(option)
+        if record is None:
+            if option["type"] != "bf16":
+                notes.append(f"{describe(option)}: quality never measured")
+            kept.append(option)
+        elif max_loss is not None and record[0] > max_loss:
+            notes.append(f"{describe(option)} left out: its recorded quality gap {record[0]:+.1%} "
+                         f"exceeds max_quality_loss {max_loss:.1%} ({record[1]})")
+        else:
+            kept.append(option)
+    return kept, notes
+
+
 @dataclass(frozen=True)
 class Decision:
     """Put `setting` in force under `setting_id` (workers report intervals by that id; an id
@@ -96,12 +115,14 @@ class CompressionPolicy:
     """observe() each interval, on_group() each new group; both may return a Decision."""
 
     def __init__(self, options: List[Dict], intervals: int = 2, min_comm_share: float = 0.15,
-                 min_gain: float = 0.05):
+                 min_gain: float = 0.05, max_quality_loss: Optional[float] = 0.03):
         """options: the candidate settings (see `candidates`); intervals: measured intervals per
         setting (the first interval after any switch is skipped: it holds the switch and warm-up);
         min_comm_share: below this share of exposed communication, stay dense; min_gain: a
-        setting must beat dense by this fraction of the step to be chosen."""
-        self.options, self.intervals = options, intervals
+        setting must beat dense by this fraction of the step to be chosen; max_quality_loss: a
+        setting whose recorded validation-loss gap exceeds it is never tried (None: any)."""
+        self.options, self.quality_notes = quality_gate(options, max_quality_loss)
+        self.intervals = intervals
         self.min_comm_share, self.min_gain = min_comm_share, min_gain
         self.current_id, self.current = 0, DENSE  # in force: id 0 is the job's own start (dense)
         self._ids = 0
@@ -149,7 +170,8 @@ class CompressionPolicy:
         step, comm = self._dense.mean_step_s(), self._dense.mean_comm_s()
         share = comm / step if step > 0 else 0.0
         link = f", link {self.bandwidth / 1e6:,.1f} MB/s" if self.bandwidth else ""
-        self._summary = f"dense {step:.3f} s/step, {comm:.3f} s of it exposed communication ({share:.0%}{link})"
+        self._summary = (f"dense {step:.3f} s/step, {comm:.3f} s of it exposed communication ({share:.0%}{link})"
+                         + "".join(f"; {note}" for note in self.quality_notes))
         if share < self.min_comm_share:
             self.settled = DENSE
             return self._put(DENSE, f"keeping dense: {self._summary}; under {self.min_comm_share:.0%}, "

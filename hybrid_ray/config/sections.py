@@ -203,6 +203,9 @@ class CompressionConfig:
     error_feedback: bool = True
     """topk, powersgd: carry the unsent remainder (fp32, per rank and bucket) into the next
     reduction."""
+    max_quality_loss: Optional[float] = checked(0.03, ge=0)
+    """auto: the driver never tries a setting whose recorded validation-loss gap against dense
+    exceeds this fraction (cluster/quality_record.py); null: no limit."""
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,7 @@
 """The driver's compression policy, without Ray: measure dense, try what is predicted to win,
-settle on the fastest measured setting; fast links stay dense; a new group measures again."""
+settle on the fastest measured setting; fast links stay dense; a new group measures again;
+a setting whose recorded quality gap is too large is never tried. The speed tests turn the
+quality gate off (max_quality_loss=None)."""
 from __future__ import annotations
 
 from hybrid_ray.cluster.compression_policy import (DENSE, CompressionPolicy, Interval, candidates,
@@ -25,7 +27,7 @@ def test_candidates_and_names():
 
 
 def test_fast_link_stays_dense_without_trying_anything():
-    p = CompressionPolicy(candidates(AUTO))
+    p = CompressionPolicy(candidates(AUTO), max_quality_loss=None)
     assert p.on_group(2, 40e9) is None
     [d] = feed(p, 0, step_s=0.160, comm_s=0.006)
     assert d.setting == DENSE and d.setting_id == 0  # nothing changes on the workers
@@ -34,7 +36,7 @@ def test_fast_link_stays_dense_without_trying_anything():
 
 
 def test_slow_link_tries_best_predicted_first_and_settles_on_fastest_measured():
-    p = CompressionPolicy(candidates(AUTO))
+    p = CompressionPolicy(candidates(AUTO), max_quality_loss=None)
     p.on_group(2, 2.5e6)
     # The first interval of a setting is skipped (switch, warm-up); two more are measured.
     [trial1] = feed(p, 0, step_s=2.0, comm_s=1.6)
@@ -53,7 +55,7 @@ def test_slow_link_tries_best_predicted_first_and_settles_on_fastest_measured():
 
 
 def test_compression_that_measures_slower_is_dropped():
-    p = CompressionPolicy([{"type": "topk", "topk_ratio": 0.01}])
+    p = CompressionPolicy([{"type": "topk", "topk_ratio": 0.01}], max_quality_loss=None)
     p.on_group(4, None)
     [trial] = feed(p, 0, step_s=1.0, comm_s=0.5)
     assert trial.setting["type"] == "topk"
@@ -71,7 +73,7 @@ def test_nothing_predicted_to_gain_keeps_dense():
 
 
 def test_new_group_measures_dense_again():
-    p = CompressionPolicy([{"type": "topk", "topk_ratio": 0.01}])
+    p = CompressionPolicy([{"type": "topk", "topk_ratio": 0.01}], max_quality_loss=None)
     p.on_group(2, None)
     [trial] = feed(p, 0, 2.0, 1.6)
     [final] = feed(p, trial.setting_id, 0.5, 0.05)
@@ -84,7 +86,7 @@ def test_new_group_measures_dense_again():
 
 
 def test_one_worker_reduces_nothing():
-    p = CompressionPolicy(candidates(AUTO))
+    p = CompressionPolicy(candidates(AUTO), max_quality_loss=None)
     assert p.on_group(1, None) is None and p.settled == DENSE
     assert feed(p, 0, 1.0, 0.9) == []
 
@@ -107,3 +109,22 @@ def test_bench_replay_settles_on_the_measured_best():
     res["settings"]["dense"] = s(None, 0.370, 0.030, 6.7e6)  # loopback: 8% communication
     [keep] = bench.policy_replay(res)
     assert keep.startswith("keeping dense")
+
+
+def test_a_setting_with_a_recorded_gap_above_the_limit_is_never_tried():
+    # The records (cluster/quality_record.py): top-k 0.01 without warm-up did not learn, with a
+    # 200-step warm-up +7.4%; PowerSGD rank 4 +8.5%. At the default limit (3%) only bf16 is left.
+    p = CompressionPolicy(candidates(AUTO))
+    assert [describe(o) for o in p.options] == ["bf16"]
+    p.on_group(2, 2e6)
+    [d] = feed(p, 0, step_s=6.0, comm_s=3.6)
+    assert d.reason.startswith("trying bf16") and "topk 0.01 left out: its recorded quality gap +inf%" in d.reason
+    assert "powersgd rank 4 left out: its recorded quality gap +8.5% exceeds max_quality_loss 3.0%" in d.reason
+    loose = CompressionPolicy(candidates({**AUTO, "warmup_steps": 300}), max_quality_loss=0.08)
+    assert [describe(o) for o in loose.options] == ["bf16", "topk 0.01"]  # the 200-step record: +7.4%
+
+
+def test_a_setting_never_measured_is_allowed_and_said_to_be():
+    p = CompressionPolicy([{"type": "topk", "topk_ratio": 0.02}])
+    assert p.options == [{"type": "topk", "topk_ratio": 0.02}]
+    assert p.quality_notes == ["topk 0.02: quality never measured"]
