@@ -214,8 +214,10 @@ REPLAY = {"fault_tolerance": {"mode": "replay"}}
 @pytest.mark.parametrize("stage,kill,extra", [
     (1, (3, "backward"), REPLAY), (2, (5, "after_step"), REPLAY), (3, (4, "committed"), REPLAY),
     (2, (4, "backward"), {**OFFLOAD, **REPLAY}), (2, (3, "committed"), {**TOPK, **REPLAY}),
-    (2, (5, "backward"), {**FP16_THEN_FP32, **REPLAY})],
-    ids=["stage1", "stage2", "stage3-committed", "offload", "topk-committed", "fp16-schedule"])
+    (2, (5, "backward"), {**FP16_THEN_FP32, **REPLAY}),
+    (3, (3, "committed"), {"zero_optimization": {"offload_optimizer": {"device": "cpu", "ratio": 0.5}}, **REPLAY})],
+    ids=["stage1", "stage2", "stage3-committed", "offload", "topk-committed", "fp16-schedule",
+         "stage3-partial-offload-committed"])
 def test_replay_mode_rebuilds_a_killed_rank_from_the_copy_its_buddy_stepped(
         tmp_path: Path, stage: int, kill: tuple, extra: dict) -> None:
     # The buddy's copy was never sent whole after the first step: it was stepped with the
