@@ -96,6 +96,22 @@ def test_fp32_offload_matches_fused_adamw_on_cuda(stage: int, gas: int, delayed:
     assert err < 1e-5, err
 
 
+@pytest.mark.parametrize("stage, ratio", [(2, 0.5), (3, 0.5), (2, "auto")])
+def test_partial_offload_matches_fused_adamw_on_cuda(stage: int, ratio: object) -> None:
+    # Part of the masters on the host, part on the device, one fused optimizer over both.
+    cfg = config(stage)
+    cfg["zero_optimization"]["offload_optimizer"]["ratio"] = ratio
+    engine = train(cfg, 0, 1, CUDA0, Topology(0, 1, CUDA0))
+    devices = {m.device.type for m in engine.zero.masters}
+    assert devices == ({"cpu", "cuda"} if ratio != "auto" else devices)
+    mem = engine.memory_breakdown()
+    if ratio != "auto":
+        assert mem["host_master_params"] > 0 and mem["master_params"] > 0, mem
+    ours = {n: p.detach() for n, p in engine.module.named_parameters()}
+    err = max_rel_err(ours, reference(1, 1, False, CUDA0))
+    assert err < 1e-5, err
+
+
 def test_bf16_offload_keeps_only_half_params_on_the_device() -> None:
     cfg = config(2, precision="bf16")
     cfg["precision"] = {"norms_fp32": False}
