@@ -102,11 +102,12 @@ def test_partial_offload_matches_fused_adamw_on_cuda(stage: int, ratio: object) 
     cfg = config(stage)
     cfg["zero_optimization"]["offload_optimizer"]["ratio"] = ratio
     engine = train(cfg, 0, 1, CUDA0, Topology(0, 1, CUDA0))
-    devices = {m.device.type for m in engine.zero.masters}
-    assert devices == ({"cpu", "cuda"} if ratio != "auto" else devices)
-    mem = engine.memory_breakdown()
-    if ratio != "auto":
+    if ratio != "auto":  # auto: a model this small fits whole in half of an idle GPU
+        assert {m.device.type for m in engine.zero.masters} == {"cpu", "cuda"}
+        mem = engine.memory_breakdown()
         assert mem["host_master_params"] > 0 and mem["master_params"] > 0, mem
+    else:
+        assert all(m.device.type == "cuda" for m in engine.zero.masters)
     ours = {n: p.detach() for n, p in engine.module.named_parameters()}
     err = max_rel_err(ours, reference(1, 1, False, CUDA0))
     assert err < 1e-5, err
