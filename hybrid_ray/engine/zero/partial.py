@@ -3,7 +3,7 @@ fp32 masters, gradients and optimizer state on the host and steps on the CPU; th
 and steps on the device.
 
 The split is by flat space, so each space's master has one device, as without offload: at
-stages 0-2 each (group, dtype) list of parameters is cut in two, the first `ratio` of its
+stages 1-2 each (group, dtype) list of parameters is cut in two, the first `ratio` of its
 elements in module order going to a host space; at stage 3 (a space per module unit) whole
 units go to the host, in module order, until `ratio` of the elements are there. One torch
 optimizer steps both kinds of masters: its fused and foreach kernels group tensors by device.
