@@ -261,7 +261,8 @@ def print_table(rows: List[dict]) -> None:
     print(f"{r0['steps']} steps, {r0['ranks']} ranks, seeds {r0['seeds']}, {r0['config']}; corpus "
           f"{r0['corpus']['train_tokens']:,} training tokens, sha256 {str(r0['corpus']['sha256'])[:12]}, "
           f"{r0['passes']} pass(es)")
-    print("| variant | val loss (mean) | vs dense | seeds' range vs dense | bytes ÷ after warm-up | bytes ÷ whole run | bar |")
+    print("| variant | val loss (mean) | vs dense | seeds' range vs dense | bytes ÷ after warm-up "
+          "| bytes ÷ whole run | bar |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         after = r["bytes_ratio_after_warmup"]

@@ -2,13 +2,14 @@
 
 For each bucket a rank adds its fp32 residual to the gradient, keeps the k largest-magnitude
 entries of that sum and carries the rest as the new residual, so `sent + residual == gradient +
-old residual` exactly and nothing is lost, only delayed. k is the same on every rank (it depends
+old residual` (exactly with fp32 values; to one fp32 rounding with bf16 or int8 ones) and nothing
+is lost, only delayed. k is the same on every rank (it depends
 only on the bucket size and the step), so the (index, value) pairs travel in one fixed-size
 all_gather per bucket, packed as bytes by codec.py (fp32, bf16 or int8 values; int32 or 16-bit
-block-relative indices): gloo and NCCL both do that, neither has a sparse all-reduce. Each rank then sums the received pairs
-that fall into the part of the bucket it keeps: the whole bucket at stage 0, its ZeRO shard slice
-at stages 1-3. The result is the same dense sum the reduce-scatter would have produced, so
-averaging, clipping and the optimizer continue unchanged.
+block-relative indices): gloo and NCCL both do that, neither has a sparse all-reduce. Each rank
+then sums the received pairs that fall into the part of the bucket it keeps: the whole bucket at
+stage 0, its ZeRO shard slice at stages 1-3. The result is the same dense sum the reduce-scatter
+would have produced, so averaging, clipping and the optimizer continue unchanged.
 """
 from __future__ import annotations
 

@@ -53,6 +53,7 @@ class Replicator:
         self.settings, self.keeper = settings, keeper
         self.replay = settings.mode == "replay"
         self._based = False  # replay: the buddy holds this rank's shard in the current layout
+        self._grads_in_flight: Optional[tuple] = None  # replay: (works, receive buffers) of this step
         self._rank_cache: Optional[tuple] = None  # replay: (step, the rank state sent with it)
         self.world, self.rank = topo.world_size, topo.rank
         self.token = keeper.begin()
@@ -166,6 +167,25 @@ class Replicator:
         self._commit(base.step)
         self._based = True
 
+    def start_gradients(self, grads: List[torch.Tensor]) -> None:
+        """At the window's end, before the step's decision: start sending this rank's reduced
+        gradient shards to the buddy and receiving its predecessor's, so that the transfer
+        overlaps the global norm and the bookkeeping. replay_step finishes it."""
+        self._grads_in_flight = None
+        if not self.replay or self.group is None:
+            return
+        self.wait()  # the base, or the last step's application to the copy
+        if not self._based:
+            return
+        nxt, prev = (self.rank + 1) % self.world, (self.rank - 1) % self.world
+        out = [g.detach().to("cpu") for g in grads]
+        got = [torch.empty_like(g) for g in out]
+        ops = [dist.P2POp(dist.isend, t, group=self.group, group_peer=nxt, tag=_GRAD_TAG + i)
+               for i, t in enumerate(out)]
+        ops += [dist.P2POp(dist.irecv, t, group=self.group, group_peer=prev, tag=_GRAD_TAG + i)
+                for i, t in enumerate(got)]
+        self._grads_in_flight = (dist.batch_isend_irecv(ops), got)
+
     def replay_step(self, update: Any, step: int, rank_state: Callable[[], dict]) -> None:
         """Before the update of `step`: the reduced gradient shard (None: an overflow skipped the
         step) and this rank's own state go to the buddy, the buddy's come here, and every rank
@@ -182,22 +202,23 @@ class Replicator:
         part = snap.pack({"rng": snap.rng_objects(), "rank": mine})
         hyper = replay.hyperparameters(update.optimizer) if update is not None else None
         data = replay.header(step, update.coef if update is not None else 0.0, hyper, part)
-        grads = [g.detach().to("cpu") for g in update.grads] if update is not None else None
         try:
-            self._replay_exchange(step, data, grads)
+            self._replay_exchange(step, data, update is not None)
         except Exception as e:  # noqa: BLE001 - one type for the caller, the cause chained
             raise ReplicaError(f"rank {self.rank}: sending step {step}'s gradient to its buddy failed: "
                                f"{type(e).__name__}: {str(e)[:300]}") from e
         self.keeper.set_live(None, self.token)  # committed: the update now writes into it
 
-    def _replay_exchange(self, step: int, data: bytes, grads: Optional[List[torch.Tensor]]) -> None:
+    def _replay_exchange(self, step: int, data: bytes, applied: bool) -> None:
         nxt, prev = (self.rank + 1) % self.world, (self.rank - 1) % self.world
         header_in = self._swap_bytes(data, nxt, prev)
-        got = None
-        if grads is not None:  # an overflow is agreed by every rank: all send, or none
-            got = [torch.empty_like(g) for g in grads]
-            self._swap(grads, got, nxt, prev)
-        self.keeper.set_pending(replay.pending_from(header_in, got), self.token)
+        flight, self._grads_in_flight = self._grads_in_flight, None
+        if flight is None:
+            raise RuntimeError("replay: the step's gradients were never sent (start_gradients)")
+        for work in flight[0]:
+            work.wait()
+        # An overflow is agreed by every rank: the gradients went anyway, and are not applied.
+        self.keeper.set_pending(replay.pending_from(header_in, flight[1] if applied else None), self.token)
         self._commit(step)
         self._inflight = self._pool.submit(self.keeper.advance)
 
@@ -293,6 +314,9 @@ class Replicator:
         ops += [dist.P2POp(dist.irecv, t, group=self.group, group_peer=prev, tag=i) for i, t in enumerate(recv)]
         for work in dist.batch_isend_irecv(ops):
             work.wait()
+
+
+_GRAD_TAG = 1000  # gradient transfers stay in flight beside the header's: tags apart
 
 
 def run_label(directory: str) -> str:
