@@ -102,10 +102,16 @@ class Keeper:
         with self._lock:
             self._advance()
 
-    def _advance(self) -> None:
-        pend, self.pending = self.pending, None
+    def _pending_base(self) -> Optional[Snapshot]:
+        """The held copy the pending step applies to, when there is one that can be stepped."""
+        pend = self.pending
         base = self.held.get(pend.step - 1) if pend is not None else None
-        if base is None or base.stepper is None:
+        return base if base is not None and base.stepper is not None else None
+
+    def _advance(self) -> None:
+        base, pend = self._pending_base(), self.pending
+        self.pending = None
+        if base is None:
             return
         base.stepper.apply(pend)
         del self.held[base.step]
@@ -149,10 +155,9 @@ class Keeper:
         (where, version) whose snapshot has the step's counters and layout, not only its rank part."""
         with self._lock:
             held = {v: (s.rank, s.world) for v, s in self.held.items()}
-            pend = self.pending
-            base = self.held.get(pend.step - 1) if pend is not None else None
-            if base is not None and base.stepper is not None:
-                held[pend.step] = (base.rank, base.world)  # reachable: advance() on request
+            base = self._pending_base()
+            if base is not None:
+                held[self.pending.step] = (base.rank, base.world)  # reachable: advance() on request
             full = [(w, v) for w, store in (("own", self.own), ("held", self.held))
                     for v, s in store.items() if s.full]
             return {"run": self.run, "disk_step": self.disk_step, "full": full,

@@ -158,9 +158,8 @@ class Replicator:
             return
         nxt, prev = (self.rank + 1) % self.world, (self.rank - 1) % self.world
         recv = snap.empty_like(base.tensors, False)
-        small_in = self._swap_bytes(base.small, nxt, prev)
-        self._swap([t for ts in base.tensors for t in ts.values()], [t for ts in recv for t in ts.values()],
-                   nxt, prev)
+        small_in = self._swap_bytes(base.small, nxt, prev, [t for ts in base.tensors for t in ts.values()],
+                                    [t for ts in recv for t in ts.values()])
         held = snap.Snapshot(base.step, prev, self.world, recv, small_in, base.run)
         held.stepper = replay.Stepper(snap.parse_small(small_in).stepper, recv)
         self.keeper.put_held(held, self.token)
@@ -222,11 +221,15 @@ class Replicator:
         self._commit(step)
         self._inflight = self._pool.submit(self.keeper.advance)
 
-    def _swap_bytes(self, data: bytes, nxt: int, prev: int) -> bytes:
+    def _swap_bytes(self, data: bytes, nxt: int, prev: int, send: List[torch.Tensor] = (),
+                    recv: List[torch.Tensor] = ()) -> bytes:
+        """Send `data` (and the tensors `send`) to the next rank and receive the previous rank's
+        bytes (and `recv`): the sizes first, then everything in one exchange."""
         size_out, size_in = torch.tensor([len(data)], dtype=torch.int64), torch.empty(1, dtype=torch.int64)
         self._swap([size_out], [size_in], nxt, prev)
         got = torch.empty(int(size_in.item()), dtype=torch.uint8)
-        self._swap([torch.frombuffer(bytearray(data), dtype=torch.uint8)], [got], nxt, prev)
+        self._swap(list(send) + [torch.frombuffer(bytearray(data), dtype=torch.uint8)], list(recv) + [got],
+                   nxt, prev)
         return got.numpy().tobytes()
 
     def _commit(self, step: int) -> None:
@@ -296,17 +299,9 @@ class Replicator:
         if [t.shape for t in incoming] != [t.shape for t in flat]:
             recv_tensors = snap.empty_like(own.tensors, False)
             incoming = [t for ts in recv_tensors for t in ts.values()]
-        size_out = torch.tensor([len(own.small)], dtype=torch.int64)
-        size_in = torch.empty(1, dtype=torch.int64)
-        self._swap([size_out], [size_in], nxt, prev)
-        small_in = torch.empty(int(size_in.item()), dtype=torch.uint8)
-        payload = torch.frombuffer(bytearray(own.small), dtype=torch.uint8)
-        self._swap(flat + [payload], incoming + [small_in], nxt, prev)
-        held = snap.Snapshot(own.step, prev, self.world, recv_tensors, small_in.numpy().tobytes(), own.run)
-        self.keeper.put_held(held, self.token)
-        version = torch.tensor([own.step], dtype=torch.int64)
-        dist.all_reduce(version, op=dist.ReduceOp.MIN, group=self.group)
-        self.keeper.commit(int(version.item()), self.token)
+        small_in = self._swap_bytes(own.small, nxt, prev, flat, incoming)
+        self.keeper.put_held(snap.Snapshot(own.step, prev, self.world, recv_tensors, small_in, own.run), self.token)
+        self._commit(own.step)
 
     def _swap(self, send: List[torch.Tensor], recv: List[torch.Tensor], nxt: int, prev: int) -> None:
         """Send `send` to the next rank and receive `recv` from the previous, all at once."""
