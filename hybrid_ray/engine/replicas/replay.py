@@ -22,6 +22,7 @@ import torch
 
 from ..checkpoint.state import TrainState
 from ..zero.offload import cpu_optimizer_kwargs
+from ..zero.optimizer import step_masters
 from ..zero.relayout import scalar_state
 from . import snapshot as snap
 
@@ -84,21 +85,13 @@ class Stepper:
                 state.update({k: (v.clone() if torch.is_tensor(v) else v) for k, v in spec["scalars"].items()})
                 self.optimizer.state[p] = state
 
-    @torch.no_grad()
     def apply(self, pending: Pending) -> None:
-        """The owner's update, as ZeroOptimizer._update does it: scale, then one optimizer step."""
+        """The owner's update (zero/optimizer.py step_masters) with the step's hyperparameters."""
         if pending.grads is None:
             return
-        torch._foreach_mul_(pending.grads, pending.coef)
         for group, i in zip(self._groups, self._group_index):
             group.update({k: v for k, v in pending.hyper[i].items() if k not in _IMPLEMENTATION})
-        for p, g in zip(self.params, pending.grads):
-            p.grad = g
-        try:
-            self.optimizer.step()
-        finally:
-            for p in self.params:
-                p.grad = None
+        step_masters(self.params, pending.grads, pending.coef, self.optimizer)
 
 
 def header(step: int, coef: float, hyper: Optional[List[dict]], part: bytes) -> bytes:

@@ -189,15 +189,7 @@ class ZeroOptimizer:
         """Unscale and clip the gradients, step the optimizer (in the DPU thread: no collectives)."""
         if self.offload is not None:
             self.offload.wait_uploads()  # a pinned master may still be the source of an upload
-        with torch.no_grad():
-            torch._foreach_mul_(grads, coef)
-        for master, grad in zip(self.masters, grads):
-            master.grad = grad
-        try:
-            optimizer.step()
-        finally:
-            for master in self.masters:
-                master.grad = None
+        step_masters(self.masters, grads, coef, optimizer)
         if self.offload is not None and self.offload.delayed:
             # Cast for the upload here, off the main thread; write_back then only copies.
             with torch.no_grad():
@@ -296,6 +288,22 @@ class ZeroOptimizer:
             self.offload.upload(dst, src)
         else:
             dst.copy_(src)
+
+
+def step_masters(masters: List[torch.Tensor], grads: List[torch.Tensor], coef: float,
+                 optimizer: torch.optim.Optimizer) -> None:
+    """Scale the gradients by `coef` (unscale and clip, in place) and step `optimizer` over the
+    masters with them. Replicas in replay mode step a buddy's copy with this same function, so
+    that copy and shard stay bitwise equal where the kernel is the same."""
+    with torch.no_grad():
+        torch._foreach_mul_(grads, coef)
+    for master, grad in zip(masters, grads):
+        master.grad = grad
+    try:
+        optimizer.step()
+    finally:
+        for master in masters:
+            master.grad = None
 
 
 _ROW = 1 << 16
