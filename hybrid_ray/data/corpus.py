@@ -71,13 +71,13 @@ class CorpusSpec:
         return out
 
 
-NAMED_SOURCES = {"stdlib": "stdlib", "purelib": "purelib"}  # sysconfig path names
+NAMED_SOURCES = ("stdlib", "purelib")  # sysconfig path names
 
 
 def resolve_source(name: Optional[str]) -> Path:
     """A folder, "stdlib" or "purelib" (None: "stdlib"), as an existing folder."""
     name = name or "stdlib"
-    root = Path(sysconfig.get_paths()[NAMED_SOURCES[name]]) if name in NAMED_SOURCES else Path(name)
+    root = Path(sysconfig.get_paths()[name]) if name in NAMED_SOURCES else Path(name)
     if not root.is_dir():
         raise FileNotFoundError(f"data source {root}: not a folder")
     return root.resolve()
@@ -135,10 +135,12 @@ def _named_files(spec: CorpusSpec) -> Tuple[List[Tuple[str, Path]], Tuple[Path, 
     return named, roots
 
 
-def take_files(named: List[Tuple[str, Path]], max_bytes: int, unique: bool) -> Tuple[List[Tuple[str, bytes]], int]:
+def take_files(named: List[Tuple[str, Path]], max_bytes: int, unique: bool
+               ) -> Tuple[List[Tuple[str, bytes]], int, str]:
     """Non-empty files in order until the next would pass max_bytes (always at least one);
-    `unique`: skipping a file whose bytes an earlier one had. (taken, skipped copies)."""
-    seen, taken, total, skipped = set(), [], 0, 0
+    `unique`: skipping a file whose bytes an earlier one had. (taken, skipped copies, sha256
+    over the names and bytes taken, in order)."""
+    seen, taken, total, skipped, digest = set(), [], 0, 0, hashlib.sha256()
     for name, path in named:
         data = path.read_bytes()
         if not data:
@@ -152,22 +154,20 @@ def take_files(named: List[Tuple[str, Path]], max_bytes: int, unique: bool) -> T
         seen.add(key)
         taken.append((name, data))
         total += len(data)
-    return taken, skipped
+        digest.update(name.encode() + b"\0" + key)
+    return taken, skipped, digest.hexdigest()
 
 
 def load_corpus(spec: CorpusSpec) -> Corpus:
     """Read, cap and split the source folders; errors say which folder and what was found."""
     named, roots = _named_files(spec)
-    taken, skipped = take_files(named, spec.max_bytes, unique=bool(spec.sources))
+    taken, skipped, digest = take_files(named, spec.max_bytes, unique=bool(spec.sources))
     if len(taken) < 2:
         raise FileNotFoundError(f"data source {', '.join(map(str, roots))}: found {len(taken)} non-empty "
                                 f"file(s) ending in {', '.join(spec.extensions)}; need at least 2 for a "
                                 "train/validation split")
-    digest = hashlib.sha256()
-    for name, data in taken:
-        digest.update(name.encode() + b"\0" + hashlib.sha256(data).digest())
     names = [n for n, _ in taken]
     val = validation_files(names, [len(d) for _, d in taken], spec.val_fraction)
     return Corpus(roots[0], [d for (_, d), v in zip(taken, val) if not v],
                   [d for (_, d), v in zip(taken, val) if v], [n for n, v in zip(names, val) if v],
-                  roots, digest.hexdigest(), skipped)
+                  roots, digest, skipped)
