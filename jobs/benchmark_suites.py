@@ -48,12 +48,19 @@ SUITES: Dict[str, List[dict]] = {
                            dict(impl="hybrid", stage=2, offload=True, model="1.3b"),
                            dict(impl="hybrid", stage=2, offload=True, offload_ratio=0.5, model="1.3b"),
                            dict(impl="hybrid", stage=2, offload=True, offload_ratio="auto", model="1.3b")],
+    # The same at the sizes where offload is needed (2.7B: micro-batch 4), and the largest model
+    # each trains on one GPU and its host (DeepSpeed was killed for host memory at 6.7B).
+    "offload-ratio-gpu1-2.7b": [dict(impl="deepspeed", stage=2, offload=True, model="2.7b"),
+                                dict(impl="hybrid", stage=2, offload=True, offload_ratio="auto", model="2.7b")],
+    "offload-largest-gpu1": [dict(impl="hybrid", stage=2, offload=True, offload_ratio="auto", model="8.3b"),
+                             dict(impl="hybrid", stage=2, offload=True, offload_ratio="auto", model="6.7b")],
     # The two-GPU offload target: 1.3B, ZeRO-2 + offload, against DeepSpeed's own.
     "offload2": [dict(impl="deepspeed", stage=2, offload=True, model="1.3b"),
                  dict(impl="hybrid", stage=2, offload=True, model="1.3b"),
                  dict(impl="hybrid", stage=2, offload=True, delayed=True, model="1.3b")],
 }
 # The ratio column is against this implementation (default: plain torch or DDP, else the first).
-BASELINE = {"zero3-gpu2-1.3b": "fsdp2", "offload2": "deepspeed", "offload-ratio-gpu1": "deepspeed"}
+BASELINE = {"zero3-gpu2-1.3b": "fsdp2", "offload2": "deepspeed", "offload-ratio-gpu1": "deepspeed",
+            "offload-ratio-gpu1-2.7b": "deepspeed"}
 # ... and among several rows of that implementation, the one with these settings.
 BASELINE_SETTINGS = {"compile-gpu1": {"compile": True}, "compile-gpu1-1.3b": {"compile": True}}

@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import multiprocessing
 import statistics
 import sys
 import time
@@ -201,6 +202,8 @@ def main(argv: Optional[List[str]] = None) -> List[dict]:
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--allow-repeat", action="store_true", help="let a run see its text more than once")
+    ap.add_argument("--workers", type=int, default=1, help="runs at a time, each in its own process "
+                    "(the model is tiny: one run leaves a GPU and most cores idle)")
     ap.add_argument("--out", default=None, help="append the rows as JSON lines here (default: "
                     "benchmarks/runs/<date>-quality-<steps>x<ranks>.jsonl)")
     args = ap.parse_args(argv)
@@ -209,14 +212,11 @@ def main(argv: Optional[List[str]] = None) -> List[dict]:
         variants.insert(0, Variant("dense"))
     job = load_job(args.config)
     steps = args.steps or job.train.steps
-    data = load_windows(job, torch.device(args.device))
-    corpus = corpus_record(job)
     seeds = [(job.engine.seed or 0) + i for i in range(args.seeds)]
-    raw = {}
-    for v in variants:
-        t0 = time.time()
-        raw[v.name] = ([run(job, v, steps, s, args.ranks, data, args.allow_repeat) for s in seeds],
-                       time.time() - t0)
+    tasks = [(job, v, steps, s, args.ranks, args.allow_repeat) for v in variants for s in seeds]
+    results = _run_all(tasks, job, args.device, args.workers)
+    corpus = corpus_record(job)
+    raw = {v.name: [r for t, r in zip(tasks, results) if t[1] is v] for v in variants}
     rows = summarize(raw, steps, args.ranks, seeds, corpus, args)
     print_table(rows)
     out = Path(args.out or f"benchmarks/runs/{time.strftime('%Y-%m-%d')}-quality-{steps}x{args.ranks}.jsonl")
@@ -226,6 +226,39 @@ def main(argv: Optional[List[str]] = None) -> List[dict]:
             f.write(json.dumps(row) + "\n")
     print(f"# rows appended to {out}")
     return rows
+
+
+_DATA = None  # a worker's windows, loaded once per process
+
+
+def _load(job: Job, device: str) -> None:
+    global _DATA
+    _DATA = load_windows(job, torch.device(device))
+
+
+def _timed_run(task) -> dict:
+    job, variant, steps, seed, ranks, allow_repeat = task
+    t0 = time.time()
+    try:
+        out = run(job, variant, steps, seed, ranks, _DATA, allow_repeat)
+    except SystemExit as e:  # a pool worker would die on it and leave the pool waiting
+        raise ValueError(str(e)) from None
+    return {**out, "seconds": time.time() - t0}
+
+
+def _run_all(tasks, job: Job, device: str, workers: int) -> List[dict]:
+    """Each (job, variant, steps, seed, ranks, allow_repeat) run, in order; with several workers,
+    in spawned processes (CUDA cannot be forked), each loading the windows once."""
+    if workers <= 1:
+        _load(job, device)
+        return [_timed_run(t) for t in tasks]
+    ensure_prepared(job.data.corpus, job.data.path, job.data.prepare, print)  # once, before the workers
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(workers, initializer=_load, initargs=(job, device)) as pool:
+        try:
+            return pool.map(_timed_run, tasks, chunksize=1)
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
 
 
 def corpus_record(job: Job) -> dict:
@@ -239,10 +272,10 @@ def corpus_record(job: Job) -> dict:
 
 
 def summarize(raw: dict, steps: int, ranks: int, seeds: List[int], corpus: dict, args) -> List[dict]:
-    dense = [r["val_loss"] for r in raw["dense"][0]]
+    dense = [r["val_loss"] for r in raw["dense"]]
     base, best = statistics.mean(dense), min(dense)
     rows = []
-    for name, (runs, seconds) in raw.items():
+    for name, runs in raw.items():
         losses = [r["val_loss"] for r in runs]
         after, whole = runs[0]["bytes_ratio_after_warmup"], runs[0]["bytes_ratio_whole_run"]
         gap_hi = max(losses) / best - 1
@@ -252,7 +285,7 @@ def summarize(raw: dict, steps: int, ranks: int, seeds: List[int], corpus: dict,
                      "bytes_ratio_after_warmup": after, "bytes_ratio_whole_run": whole,
                      "meets_bar": name != "dense" and gap_hi <= 0.03 and (after or 0) >= 30 and whole >= 10,
                      "passes": max(r["passes"] for r in runs), "corpus": corpus, "config": args.config,
-                     "device": args.device, "seconds": round(seconds, 1)})
+                     "device": args.device, "seconds": round(sum(r["seconds"] for r in runs), 1)})
     return rows
 
 

@@ -33,6 +33,11 @@ GPT_SIZES: Dict[str, GPTConfig] = {
     "350m": GPTConfig(24, 16, 1024, 50304, 1024),
     "774m": GPTConfig(36, 20, 1280, 50304, 1024),
     "1.3b": GPTConfig(24, 32, 2048, 50304, 1024),
+    # GPT-3's 2.7B and 6.7B, and Megatron-LM's 8.3B: the sizes where optimizer offload decides
+    # whether a model trains on one GPU at all.
+    "2.7b": GPTConfig(32, 32, 2560, 50304, 1024),
+    "6.7b": GPTConfig(32, 32, 4096, 50304, 1024),
+    "8.3b": GPTConfig(72, 32, 3072, 50304, 1024),
 }
 
 

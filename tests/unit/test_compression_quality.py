@@ -76,3 +76,16 @@ def test_a_cheaper_payload_is_counted_in_its_own_bytes(job_file, tmp_path):
     res = {r["variant"]: r for r in rows}
     ratio = res["topk:0.01:0:int8:block16"]["bytes_ratio_whole_run"] / res["topk:0.01:0"]["bytes_ratio_whole_run"]
     assert 2.3 < ratio < 2.8  # 3 bytes per kept element and a few block counts, against 8
+
+
+def test_runs_in_worker_processes_match_runs_in_one(job_file, tmp_path, monkeypatch):
+    from tests.jobs_scripts import JOBS
+    monkeypatch.syspath_prepend(str(JOBS))  # spawned workers import the study by its module name
+    argv = ["--config", str(job_file), "--steps", "3", "--device", "cpu", "--seeds", "2",
+            "--variant", "topk:0.05:1", "--out", str(tmp_path / "q.jsonl")]
+    serial = {r["variant"]: r for r in load_study().main(argv)}
+    pooled = {r["variant"]: r for r in load_study().main(argv + ["--workers", "2"])}
+    assert list(pooled) == ["dense", "topk:0.05:1"]
+    for name, row in serial.items():  # the same runs, in the same (variant, seed) order
+        assert pooled[name]["val_loss"] == pytest.approx(row["val_loss"], rel=1e-5)
+        assert pooled[name]["bytes_ratio_whole_run"] == row["bytes_ratio_whole_run"]
