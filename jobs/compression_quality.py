@@ -50,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hybrid_ray.data import ensure_prepared, open_split  # noqa: E402
 from hybrid_ray.engine.compression.codec import VALUE_BYTES, PairCodec  # noqa: E402
+from hybrid_ray.engine.compression.onebit import SignAverage, payload_bytes  # noqa: E402
 from hybrid_ray.engine.compression.topk import TopK  # noqa: E402
 from hybrid_ray.engine.precision import is_norm  # noqa: E402
 from hybrid_ray.engine.schedulers import build_scheduler  # noqa: E402
@@ -61,9 +62,10 @@ from hybrid_ray.lm.setup import build_model  # noqa: E402
 @dataclass(frozen=True)
 class Variant:
     name: str
-    ratio: Optional[float] = None  # None: dense
+    ratio: Optional[float] = None  # top-k density; None: dense or onebit
     warmup: int = 0
     codec: PairCodec = PairCodec()
+    onebit: bool = False  # 1-bit Adam: AdamW for `warmup` steps, then 1-bit momentum
 
 
 def parse_variant(text: str) -> Variant:
@@ -71,6 +73,8 @@ def parse_variant(text: str) -> Variant:
     if text == "dense":
         return Variant("dense")
     parts = text.split(":")
+    if parts[0] == "onebit" and len(parts) == 2 and parts[1].isdigit() and int(parts[1]) > 0:
+        return Variant(text, warmup=int(parts[1]), onebit=True)
     try:
         if parts[0] != "topk" or not 3 <= len(parts) <= 5:
             raise ValueError
@@ -80,9 +84,10 @@ def parse_variant(text: str) -> Variant:
                 or codec.indices not in ("int32", "block16"):
             raise ValueError
     except ValueError:
-        raise SystemExit(f"--variant {text!r}: expected 'dense' or 'topk:RATIO:WARMUP[:VALUES[:INDICES]]' "
-                         "(0 < RATIO <= 1, WARMUP >= 0, VALUES fp32|bf16|int8, INDICES int32|block16), "
-                         "e.g. topk:0.01:200 or topk:0.05:100:int8:block16")
+        raise SystemExit(f"--variant {text!r}: expected 'dense', 'topk:RATIO:WARMUP[:VALUES[:INDICES]]' "
+                         "(0 < RATIO <= 1, WARMUP >= 0, VALUES fp32|bf16|int8, INDICES int32|block16) "
+                         "or 'onebit:WARMUP' (WARMUP > 0), e.g. topk:0.01:200, "
+                         "topk:0.05:100:int8:block16 or onebit:200")
     return Variant(text, ratio, warmup, codec)
 
 
@@ -126,27 +131,51 @@ class Windows:
         return out
 
 
-def run(job: Job, variant: Variant, steps: int, seed: int, ranks: int, data, allow_repeat: bool = False) -> dict:
-    """Train one variant; val loss (nats/token) and bytes sent per rank."""
-    train, val, vocab_size = data
+def _start(job: Job, steps: int, seed: int, ranks: int, data, allow_repeat: bool):
+    """(model, optimizer, scheduler, buckets, windows) of a fresh run, as the job builds them."""
+    train, _, vocab_size = data
     e = job.engine
     model = build_model(job, vocab_size, seed).to(train.device)
     opt = getattr(torch.optim, e.optimizer.type)(model.parameters(), **e.optimizer.params)
     sched = build_scheduler(_with_total(e.scheduler, steps), opt)
-    buckets = buckets_of(model)
+    windows = Windows(train.shape[0], seed, allow_repeat, steps * e.train_micro_batch_size_per_gpu * ranks)
+    return model, opt, sched, buckets_of(model), windows
+
+
+def _rank_batches(job: Job, train: torch.Tensor, windows: Windows, ranks: int):
+    micro = job.engine.train_micro_batch_size_per_gpu
+    idx = windows.take(micro * ranks).to(train.device)
+    return [train[idx[r * micro:(r + 1) * micro]] for r in range(ranks)]
+
+
+def _bucket_grads(model, buckets, batch: torch.Tensor) -> List[torch.Tensor]:
+    """This batch's gradient, one flat fp32 tensor per bucket."""
+    model.zero_grad(set_to_none=True)
+    model(batch[:, :-1], batch[:, 1:]).backward()
+    return [torch.cat([p.grad.reshape(-1) for p in bucket]) for bucket in buckets]
+
+
+def _set_grads(buckets, flats: List[torch.Tensor]) -> None:
+    for bucket, flat in zip(buckets, flats):
+        off = 0
+        for p in bucket:
+            p.grad = flat[off:off + p.numel()].view_as(p)
+            off += p.numel()
+
+
+def run(job: Job, variant: Variant, steps: int, seed: int, ranks: int, data, allow_repeat: bool = False) -> dict:
+    """Train one variant; val loss (nats/token) and bytes sent per rank."""
+    if variant.onebit:
+        return run_onebit(job, variant, steps, seed, ranks, data, allow_repeat)
+    train, val, _ = data
+    e = job.engine
+    model, opt, sched, buckets, windows = _start(job, steps, seed, ranks, data, allow_repeat)
     comps = [TopK(variant.ratio, variant.warmup, codec=variant.codec) for _ in range(ranks)] if variant.ratio else None
-    micro = e.train_micro_batch_size_per_gpu
-    windows = Windows(train.shape[0], seed, allow_repeat, steps * micro * ranks)
     sent = dense_bytes = sent_after = dense_after = 0
     for step in range(steps):
-        idx = windows.take(micro * ranks).to(train.device)
         sums = [torch.zeros(sum(p.numel() for p in b), device=train.device) for b in buckets]
-        for r in range(ranks):
-            batch = train[idx[r * micro:(r + 1) * micro]]
-            model.zero_grad(set_to_none=True)
-            model(batch[:, :-1], batch[:, 1:]).backward()
-            for key, (bucket, total) in enumerate(zip(buckets, sums)):
-                grad = torch.cat([p.grad.reshape(-1) for p in bucket])
+        for r, batch in enumerate(_rank_batches(job, train, windows, ranks)):
+            for key, (grad, total) in enumerate(zip(_bucket_grads(model, buckets, batch), sums)):
                 if comps is None:
                     total.add_(grad)
                     nbytes = grad.numel() * 4
@@ -157,11 +186,7 @@ def run(job: Job, variant: Variant, steps: int, seed: int, ranks: int, data, all
                 sent, dense_bytes = sent + nbytes, dense_bytes + grad.numel() * 4
                 if comps is None or step >= variant.warmup:
                     sent_after, dense_after = sent_after + nbytes, dense_after + grad.numel() * 4
-        for bucket, total in zip(buckets, sums):
-            off = 0
-            for p in bucket:
-                p.grad = (total[off:off + p.numel()] / ranks).view_as(p)
-                off += p.numel()
+        _set_grads(buckets, [t / ranks for t in sums])
         if e.gradient_clipping > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), e.gradient_clipping)
         opt.step()
@@ -169,9 +194,73 @@ def run(job: Job, variant: Variant, steps: int, seed: int, ranks: int, data, all
             sched.step()
         for c in comps or ():
             c.on_step(False, 1.0)
-    return {"val_loss": _val_loss(model, val, job.train.eval_samples, micro),
+    return {"val_loss": _val_loss(model, val, job.train.eval_samples, e.train_micro_batch_size_per_gpu),
             "bytes_ratio_after_warmup": dense_after / sent_after if sent_after else None,
             "bytes_ratio_whole_run": dense_bytes / sent, "passes": windows.passes}
+
+
+def run_onebit(job: Job, variant: Variant, steps: int, seed: int, ranks: int, data,
+               allow_repeat: bool = False) -> dict:
+    """1-bit Adam (onebit.py): the job's AdamW for `variant.warmup` steps, then its variance
+    frozen and each rank's momentum averaged at one bit per element. After the warm-up a rank
+    clips its own gradient (the global norm would need the uncompressed sum); the update is
+    AdamW's, bias corrections included, with the frozen variance."""
+    train, val, _ = data
+    e = job.engine
+    model, opt, sched, buckets, windows = _start(job, steps, seed, ranks, data, allow_repeat)
+    beta1 = opt.param_groups[0]["betas"][0]
+    avg = SignAverage(ranks)
+    momentum = variance = None
+    sent = dense_bytes = 0
+    for step in range(steps):
+        grads = [_bucket_grads(model, buckets, batch) for batch in _rank_batches(job, train, windows, ranks)]
+        dense = sum(g.numel() * 4 for g in grads[0]) * ranks
+        dense_bytes += dense
+        if step < variant.warmup:
+            sent += dense
+            _set_grads(buckets, [torch.stack(gs).mean(0) for gs in zip(*grads)])
+            if e.gradient_clipping > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), e.gradient_clipping)
+            opt.step()
+        else:
+            if momentum is None:  # freeze: the optimizer's moments, one flat tensor per bucket
+                momentum, variance = ([torch.cat([opt.state[p][k].reshape(-1) for p in b]) for b in buckets]
+                                      for k in ("exp_avg", "exp_avg_sq"))
+            if e.gradient_clipping > 0:
+                grads = [_clipped(gs, e.gradient_clipping) for gs in grads]
+            for key, m in enumerate(momentum):
+                local = [beta1 * m + (1 - beta1) * g[key] for g in grads]
+                momentum[key] = avg.average(key, local)
+                # A rank sends 2(W-1)/W of the tensor at one bit (its chunks to their servers, its
+                # served chunk back), as a dense ring all-reduce sends 2(W-1)/W of it at fp32: at
+                # two ranks, n/8 bytes against the n*4 the dense baseline counts.
+                sent += payload_bytes(m.numel()) * ranks
+            _frozen_step(opt, buckets, momentum, variance, step + 1)
+        if sched is not None:
+            sched.step()
+    after = steps - variant.warmup
+    return {"val_loss": _val_loss(model, val, job.train.eval_samples, e.train_micro_batch_size_per_gpu),
+            "bytes_ratio_after_warmup": (dense_bytes / steps * after) / (sent - dense_bytes / steps * variant.warmup)
+            if after > 0 else None,
+            "bytes_ratio_whole_run": dense_bytes / sent, "passes": windows.passes}
+
+
+def _clipped(grads: List[torch.Tensor], clip: float) -> List[torch.Tensor]:
+    norm = float(torch.stack([g.norm() for g in grads]).norm())
+    return [g * (clip / (norm + 1e-6)) for g in grads] if norm > clip else grads
+
+
+@torch.no_grad()
+def _frozen_step(opt, buckets, momentum: List[torch.Tensor], variance: List[torch.Tensor], t: int) -> None:
+    """AdamW's update with the given momentum and the frozen variance, at step count t."""
+    g = opt.param_groups[0]
+    (beta1, beta2), lr, eps, wd = g["betas"], g["lr"], g["eps"], g["weight_decay"]
+    for bucket, m, v in zip(buckets, momentum, variance):
+        update = (m / (1 - beta1 ** t)) / ((v / (1 - beta2 ** t)).sqrt() + eps)
+        off = 0
+        for p in bucket:
+            p.mul_(1 - lr * wd).sub_(update[off:off + p.numel()].view_as(p), alpha=lr)
+            off += p.numel()
 
 
 def _with_total(sched_cfg, steps: int):
@@ -208,7 +297,7 @@ def main(argv: Optional[List[str]] = None) -> List[dict]:
                     "benchmarks/runs/<date>-quality-<steps>x<ranks>.jsonl)")
     args = ap.parse_args(argv)
     variants = [parse_variant(v) for v in (args.variant or ["dense", "topk:0.01:200"])]
-    if not any(v.ratio is None for v in variants):
+    if not any(v.name == "dense" for v in variants):
         variants.insert(0, Variant("dense"))
     job = load_job(args.config)
     steps = args.steps or job.train.steps

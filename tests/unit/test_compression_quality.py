@@ -63,9 +63,10 @@ def test_no_window_is_seen_twice_unless_allowed():
 
 
 @pytest.mark.parametrize("bad", ["topk", "topk:0:10", "topk:0.01", "powersgd:4:0", "topk:x:1",
-                                 "topk:0.1:0:int4", "topk:0.1:0:int8:int16"])
+                                 "topk:0.1:0:int4", "topk:0.1:0:int8:int16",
+                                 "onebit", "onebit:0", "onebit:x", "onebit:5:1"])
 def test_bad_variant_is_one_line(bad):
-    with pytest.raises(SystemExit, match=r"^--variant .*expected 'dense' or 'topk:RATIO:WARMUP"):
+    with pytest.raises(SystemExit, match=r"^--variant .*expected 'dense', 'topk:RATIO:WARMUP"):
         load_study().parse_variant(bad)
 
 
@@ -89,3 +90,13 @@ def test_runs_in_worker_processes_match_runs_in_one(job_file, tmp_path, monkeypa
     for name, row in serial.items():  # the same runs, in the same (variant, seed) order
         assert pooled[name]["val_loss"] == pytest.approx(row["val_loss"], rel=1e-5)
         assert pooled[name]["bytes_ratio_whole_run"] == row["bytes_ratio_whole_run"]
+
+
+def test_onebit_adam_equals_dense_during_its_warm_up_then_sends_one_bit(job_file, tmp_path):
+    rows = load_study().main(["--config", str(job_file), "--steps", "3", "--device", "cpu", "--seeds", "1",
+                              "--variant", "onebit:3", "--variant", "onebit:1", "--out", str(tmp_path / "q.jsonl")])
+    res = {r["variant"]: r for r in rows}
+    assert res["onebit:3"]["val_loss"] == res["dense"]["val_loss"]  # all warm-up: plain AdamW
+    assert res["onebit:3"]["bytes_ratio_after_warmup"] is None
+    assert res["onebit:1"]["val_loss"] != res["dense"]["val_loss"]
+    assert 28 < res["onebit:1"]["bytes_ratio_after_warmup"] <= 32
