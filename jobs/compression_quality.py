@@ -65,7 +65,10 @@ class Variant:
     ratio: Optional[float] = None  # top-k density; None: dense or onebit
     warmup: int = 0
     codec: PairCodec = PairCodec()
-    onebit: bool = False  # 1-bit Adam: AdamW for `warmup` steps, then 1-bit momentum
+    onebit: str = ""  # 1-bit Adam after `warmup` AdamW steps: "momentum" (the paper's) or "grad" (ZeRO's)
+
+
+ONEBIT = {"onebit": "momentum", "onebit-grad": "grad"}
 
 
 def parse_variant(text: str) -> Variant:
@@ -73,8 +76,8 @@ def parse_variant(text: str) -> Variant:
     if text == "dense":
         return Variant("dense")
     parts = text.split(":")
-    if parts[0] == "onebit" and len(parts) == 2 and parts[1].isdigit() and int(parts[1]) > 0:
-        return Variant(text, warmup=int(parts[1]), onebit=True)
+    if parts[0] in ONEBIT and len(parts) == 2 and parts[1].isdigit() and int(parts[1]) > 0:
+        return Variant(text, warmup=int(parts[1]), onebit=ONEBIT[parts[0]])
     try:
         if parts[0] != "topk" or not 3 <= len(parts) <= 5:
             raise ValueError
@@ -86,7 +89,7 @@ def parse_variant(text: str) -> Variant:
     except ValueError:
         raise SystemExit(f"--variant {text!r}: expected 'dense', 'topk:RATIO:WARMUP[:VALUES[:INDICES]]' "
                          "(0 < RATIO <= 1, WARMUP >= 0, VALUES fp32|bf16|int8, INDICES int32|block16) "
-                         "or 'onebit:WARMUP' (WARMUP > 0), e.g. topk:0.01:200, "
+                         "or 'onebit[-grad]:WARMUP' (WARMUP > 0), e.g. topk:0.01:200, "
                          "topk:0.05:100:int8:block16 or onebit:200")
     return Variant(text, ratio, warmup, codec)
 
@@ -202,9 +205,11 @@ def run(job: Job, variant: Variant, steps: int, seed: int, ranks: int, data, all
 def run_onebit(job: Job, variant: Variant, steps: int, seed: int, ranks: int, data,
                allow_repeat: bool = False) -> dict:
     """1-bit Adam (onebit.py): the job's AdamW for `variant.warmup` steps, then its variance
-    frozen and each rank's momentum averaged at one bit per element. After the warm-up a rank
-    clips its own gradient (the global norm would need the uncompressed sum); the update is
-    AdamW's, bias corrections included, with the frozen variance."""
+    frozen and the update AdamW's (bias corrections included) with that variance.
+    "momentum": each rank's momentum is averaged at one bit per element (the paper's form); a
+    rank clips its own gradient first (the global norm would need the uncompressed sum).
+    "grad": each rank's gradient is averaged at one bit per element (ZeRO's form), clipped by
+    the averaged gradient's global norm as dense is, and fed to the shared momentum."""
     train, val, _ = data
     e = job.engine
     model, opt, sched, buckets, windows = _start(job, steps, seed, ranks, data, allow_repeat)
@@ -226,15 +231,11 @@ def run_onebit(job: Job, variant: Variant, steps: int, seed: int, ranks: int, da
             if momentum is None:  # freeze: the optimizer's moments, one flat tensor per bucket
                 momentum, variance = ([torch.cat([opt.state[p][k].reshape(-1) for p in b]) for b in buckets]
                                       for k in ("exp_avg", "exp_avg_sq"))
-            if e.gradient_clipping > 0:
-                grads = [_clipped(gs, e.gradient_clipping) for gs in grads]
-            for key, m in enumerate(momentum):
-                local = [beta1 * m + (1 - beta1) * g[key] for g in grads]
-                momentum[key] = avg.average(key, local)
-                # A rank sends 2(W-1)/W of the tensor at one bit (its chunks to their servers, its
-                # served chunk back), as a dense ring all-reduce sends 2(W-1)/W of it at fp32: at
-                # two ranks, n/8 bytes against the n*4 the dense baseline counts.
-                sent += payload_bytes(m.numel()) * ranks
+            momentum = _onebit_momentum(variant.onebit, avg, momentum, grads, beta1, e.gradient_clipping)
+            # A rank sends 2(W-1)/W of the tensor at one bit (its chunks to their owners, and in
+            # the momentum form the served chunk back), as a dense ring all-reduce sends 2(W-1)/W
+            # of it at fp32: at two ranks, n/8 bytes against the n*4 the dense baseline counts.
+            sent += sum(payload_bytes(m.numel()) for m in momentum) * ranks
             _frozen_step(opt, buckets, momentum, variance, step + 1)
         if sched is not None:
             sched.step()
@@ -243,6 +244,18 @@ def run_onebit(job: Job, variant: Variant, steps: int, seed: int, ranks: int, da
             "bytes_ratio_after_warmup": (dense_bytes / steps * after) / (sent - dense_bytes / steps * variant.warmup)
             if after > 0 else None,
             "bytes_ratio_whole_run": dense_bytes / sent, "passes": windows.passes}
+
+
+def _onebit_momentum(form: str, avg: SignAverage, momentum: List[torch.Tensor], grads: List[List[torch.Tensor]],
+                     beta1: float, clip: float) -> List[torch.Tensor]:
+    """The next momentum, one flat tensor per bucket, from each rank's bucket gradients."""
+    if form == "momentum":
+        grads = [_clipped(gs, clip) for gs in grads] if clip > 0 else grads
+        return [avg.average(key, [beta1 * m + (1 - beta1) * g[key] for g in grads])
+                for key, m in enumerate(momentum)]
+    mean = [avg.reduce(key, [g[key] for g in grads]) for key in range(len(momentum))]
+    mean = _clipped(mean, clip) if clip > 0 else mean
+    return [beta1 * m + (1 - beta1) * g for m, g in zip(momentum, mean)]
 
 
 def _clipped(grads: List[torch.Tensor], clip: float) -> List[torch.Tensor]:

@@ -94,9 +94,11 @@ def test_runs_in_worker_processes_match_runs_in_one(job_file, tmp_path, monkeypa
 
 def test_onebit_adam_equals_dense_during_its_warm_up_then_sends_one_bit(job_file, tmp_path):
     rows = load_study().main(["--config", str(job_file), "--steps", "3", "--device", "cpu", "--seeds", "1",
-                              "--variant", "onebit:3", "--variant", "onebit:1", "--out", str(tmp_path / "q.jsonl")])
+                              "--variant", "onebit:3", "--variant", "onebit:1", "--variant", "onebit-grad:1", "--out", str(tmp_path / "q.jsonl")])
     res = {r["variant"]: r for r in rows}
     assert res["onebit:3"]["val_loss"] == res["dense"]["val_loss"]  # all warm-up: plain AdamW
     assert res["onebit:3"]["bytes_ratio_after_warmup"] is None
     assert res["onebit:1"]["val_loss"] != res["dense"]["val_loss"]
     assert 28 < res["onebit:1"]["bytes_ratio_after_warmup"] <= 32
+    assert res["onebit-grad:1"]["val_loss"] not in (res["dense"]["val_loss"], res["onebit:1"]["val_loss"])
+    assert 28 < res["onebit-grad:1"]["bytes_ratio_after_warmup"] <= 32

@@ -36,3 +36,13 @@ def test_error_feedback_loses_nothing_over_time():
     avg_error = (total / steps - truth).norm() / truth.norm()
     assert single > 0.3  # one step alone is a crude sign sketch
     assert avg_error < 0.05  # error feedback: nothing is lost, only delayed
+
+
+def test_the_zero_form_loses_nothing_over_time_either():
+    g = torch.Generator().manual_seed(3)
+    tensors = [torch.randn(501, generator=g) for _ in range(2)]
+    truth = torch.stack(tensors).mean(0)
+    avg = SignAverage(2)
+    steps = 400
+    mean = sum(avg.reduce("b", tensors) for _ in range(steps)) / steps
+    assert (mean - truth).norm() / truth.norm() < 0.05

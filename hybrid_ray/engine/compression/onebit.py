@@ -13,8 +13,16 @@ The exchange is a two-level average, both levels with error feedback:
 Every rank decodes the same averaged momentum. Each rank sends n/8 bytes at each level, 32x
 fewer than fp32 values along the same reduce-scatter/all-gather path.
 
-`SignAverage.average` computes the exchange for W momenta held in one process (the quality
-study simulates ranks one after the other); the bit packing is the real wire format.
+With ZeRO the optimizer state is sharded, so no rank holds a whole momentum to send. The form
+that fits is the worker level alone, on *gradients*: each rank sends every shard owner the
+owner's chunk of its gradient plus residual, at one bit and one scale per chunk, and the owner
+averages the decoded chunks; the owner then applies the momentum and the frozen-variance update
+to its shard, and the parameters are all-gathered as always. With the variance frozen, the
+update is linear in the gradient, so error feedback on the gradient is enough (the argument
+of the paper, applied one step earlier). `SignAverage.reduce` is that exchange.
+
+Both compute the exchange for W tensors held in one process (the quality study simulates ranks
+one after the other); the bit packing is the real wire format.
 """
 from __future__ import annotations
 
@@ -61,10 +69,10 @@ class SignAverage:
 
     def __init__(self, ranks: int):
         self.ranks = ranks
-        self.worker: Dict[Tuple[Hashable, int], torch.Tensor] = {}
-        self.server: Dict[Tuple[Hashable, int], torch.Tensor] = {}
+        self.worker: Dict[tuple, torch.Tensor] = {}
+        self.server: Dict[tuple, torch.Tensor] = {}
 
-    def _send(self, store: Dict, key: Tuple[Hashable, int], x: torch.Tensor) -> torch.Tensor:
+    def _send(self, store: Dict, key: tuple, x: torch.Tensor) -> torch.Tensor:
         """x plus its residual, as the receiver decodes it; the remainder becomes the residual."""
         acc = x.to(torch.float32, copy=True)
         residual = store.get(key)
@@ -74,6 +82,16 @@ class SignAverage:
         sent = decompress(scale, bits, acc.numel())
         store[key] = acc.sub_(sent)
         return sent
+
+    def reduce(self, key: Hashable, tensors: List[torch.Tensor]) -> torch.Tensor:
+        """The decoded average of one tensor per rank, each rank's chunk for owner j sent with its
+        own scale (ZeRO form: the worker level alone)."""
+        assert len(tensors) == self.ranks
+        total = torch.zeros_like(tensors[0], dtype=torch.float32)
+        for r, t in enumerate(tensors):
+            chunks = t.tensor_split(self.ranks)
+            total.add_(torch.cat([self._send(self.worker, (key, r, j), c) for j, c in enumerate(chunks)]))
+        return total.div_(self.ranks)
 
     def average(self, key: Hashable, tensors: List[torch.Tensor]) -> torch.Tensor:
         """The decoded average of one tensor per rank (what every rank ends up holding)."""
