@@ -116,12 +116,27 @@ class Config:
             raise config_error("fp16.enabled, bf16.enabled", "contradiction",
                                Verbatim("both true"), "enable at most one")
         self._validate_replicas()
+        self._validate_onebit()
         kind, comm = self.gradient_compression.type, self.communication_data_type
         if kind in ("fp16", "bf16") and comm is not None and comm != kind:
             raise config_error("gradient_compression.type, communication_data_type", "contradiction",
                                Verbatim(f"{kind!r} and {comm!r}"),
                                "gradient_compression fp16/bf16 sets the reduction dtype: leave "
                                "communication_data_type unset or equal to it")
+
+    def _validate_onebit(self) -> None:
+        if self.gradient_compression.type != "onebit":
+            return
+        if self.optimizer.type not in ("Adam", "AdamW") or self.optimizer.params.get("amsgrad"):
+            raise config_error("gradient_compression.type, optimizer.type", "onebit freezes Adam's variance",
+                               Verbatim(f"'onebit' with {self.optimizer.type}"
+                                        + (" (amsgrad)" if self.optimizer.params.get("amsgrad") else "")),
+                               "use Adam or AdamW without amsgrad, or another compression type",
+                               cls=NotSupportedError)
+        if self.fault_tolerance.replicas and self.fault_tolerance.mode == "replay":
+            raise config_error("gradient_compression.type, fault_tolerance.mode", "not supported together yet",
+                               Verbatim("'onebit' with 'replay'"), "use fault_tolerance.mode 'copy'",
+                               cls=NotSupportedError)
 
     def _validate_replicas(self) -> None:
         split = self.tensor_model_parallel_size > 1 or self.pipeline_model_parallel_size > 1

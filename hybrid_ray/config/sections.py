@@ -178,9 +178,12 @@ class ZeroConfig:
 class CompressionConfig:
     """Gradient compression applied before the data-parallel reduction."""
 
-    type: Literal["none", "topk", "powersgd", "fp16", "bf16", "auto"] = "none"
+    type: Literal["none", "topk", "powersgd", "onebit", "fp16", "bf16", "auto"] = "none"
     """Compression method: topk sends each bucket's largest entries as (index, value) pairs;
     powersgd sends rank-`rank` factors of each weight matrix (small and 1-D tensors densely);
+    onebit (1-bit Adam, at ZeRO 0-3) reduces densely for warmup_steps, then sends one bit per
+    element and one scale per rank's slice, and freezes Adam's variance from then on (Adam or
+    AdamW only);
     fp16/bf16 reduce in that dtype (the same as communication_data_type). auto: the Ray driver
     chooses for the whole group (dense, bf16, topk at topk_ratio, powersgd at rank) from the
     measured link and step-time split, and may change it between steps; without a driver, auto
@@ -199,13 +202,22 @@ class CompressionConfig:
     warmup_steps: int = checked(0, ge=0)
     """topk: optimizer steps over which the density falls exponentially from 1.0 to topk_ratio
     (Deep Gradient Compression's warm-up); powersgd: optimizer steps reduced densely first
-    (torch's start_powerSGD_iter); 0: compress from the first step."""
+    (torch's start_powerSGD_iter); onebit: steps reduced densely while Adam's variance is
+    estimated (1-bit Adam's freeze_step, at least 1; overflowed steps do not count); 0:
+    compress from the first step."""
     error_feedback: bool = True
-    """topk, powersgd: carry the unsent remainder (fp32, per rank and bucket) into the next
-    reduction."""
+    """topk, powersgd, onebit: carry the unsent remainder (fp32, per rank and bucket) into the
+    next reduction."""
     max_quality_loss: Optional[float] = checked(0.03, ge=0)
     """auto: the driver never tries a setting whose recorded validation-loss gap against dense
     exceeds this fraction (cluster/quality_record.py); null: no limit."""
+
+    def validate(self, path: str) -> None:
+        """onebit freezes the variance its warm-up estimated: there must be a warm-up."""
+        if self.type == "onebit" and self.warmup_steps < 1:
+            raise config_error(f"{path}.warmup_steps", "onebit needs a dense warm-up",
+                               self.warmup_steps, "at least 1 (1-bit Adam freezes the variance "
+                               "it estimates; a few hundred steps is usual)")
 
 
 @dataclass(frozen=True)

@@ -164,7 +164,7 @@ class Engine(EngineLifecycle, EngineState, DeepSpeedAccessors, PipelineBatches):
             oc = self.config.optimizer
             opt = build.build_optimizer(oc.type, oc.params, masters, [h for _, h in groups],
                                         self.zero.master_device, host_step=self.zero.offload is not None)
-        self.zero.optimizer = opt
+        self.zero.attach_optimizer(opt)
         return opt
 
     def _fp16_in_model(self) -> bool:
@@ -209,7 +209,7 @@ class Engine(EngineLifecycle, EngineState, DeepSpeedAccessors, PipelineBatches):
         self._build_zero(self._groups, broadcast=False)
         build.rebind_client_optimizer(self.optimizer, self._master_groups())
         relayout.import_state(self.spaces, self.zero.masters, self.optimizer, state, scalars)
-        self.zero.optimizer = self.optimizer
+        self.zero.attach_optimizer(self.optimizer)
 
     # ---- the training loop --------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -387,9 +387,11 @@ class Engine(EngineLifecycle, EngineState, DeepSpeedAccessors, PipelineBatches):
                                "window; call it between optimizer steps (after engine.step() at "
                                "the accumulation boundary, before the next backward)")
         raw = {"type": "none"} if spec is None else {"type": spec} if isinstance(spec, str) else spec
-        old = self.gradient_compression
-        self.config = replace_section(self.config, "gradient_compression", raw)
-        self.reducer.set_compression(reduction_setup(self.config))
+        old, config = self.gradient_compression, replace_section(self.config, "gradient_compression", raw)
+        reduction = reduction_setup(config)
+        self.zero.check_compressor(reduction.compressor, self.optimizer)  # refused before any change
+        self.config = config
+        self.reducer.set_compression(reduction)
         self._log(f"step {self.global_steps}: gradient_compression {old} -> {self.gradient_compression}")
 
 

@@ -84,7 +84,8 @@ class EngineState:
                           loss_scaler=self.loss_scaler, lr_scheduler=self.lr_scheduler,
                           counters=self.counters, data_loader=self.training_dataloader,
                           write_back=self.zero.write_back, log=self._log,
-                          split=checkpoint_split(self.topology, self.module, self._placed))
+                          split=checkpoint_split(self.topology, self.module, self._placed),
+                          compressor=self.reducer.compressor)
 
 
 def build_replicas(engine) -> Optional["replicas.Replicator"]:

@@ -1,8 +1,12 @@
 """The 1-bit codec and its two-level error-feedback average (compression/onebit.py)."""
 from __future__ import annotations
 
+import pytest
 import torch
 
+from hybrid_ray.config import load_config
+from hybrid_ray.config.errors import ConfigError, NotSupportedError
+from hybrid_ray.engine.zero.frozen import check_freezable, step_frozen_variance
 from hybrid_ray.engine.compression.onebit import (SignAverage, compress, decompress, pack_signs,
                                                   payload_bytes, unpack_signs)
 
@@ -46,3 +50,66 @@ def test_the_zero_form_loses_nothing_over_time_either():
     steps = 400
     mean = sum(avg.reduce("b", tensors) for _ in range(steps)) / steps
     assert (mean - truth).norm() / truth.norm() < 0.05
+
+
+@pytest.mark.parametrize("kind, wd", [("AdamW", 0.1), ("Adam", 0.1), ("AdamW", 0.0)])
+def test_frozen_step_is_torchs_step_when_the_variance_would_not_move(kind, wd):
+    """Where g*g equals the variance, torch's own step leaves exp_avg_sq unchanged: there the
+    frozen step and torch's must agree (moments, step count, bias corrections, weight decay)."""
+    g = torch.Generator().manual_seed(4)
+    params = [torch.nn.Parameter(torch.randn(50, generator=g)), torch.nn.Parameter(torch.randn(7, 3, generator=g))]
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opts = [getattr(torch.optim, kind)(ps, lr=0.01, weight_decay=wd, foreach=False) for ps in (params, twins)]
+    for _ in range(3):  # a warm-up with ordinary steps
+        for opt, ps in zip(opts, (params, twins)):
+            for p, seed in zip(ps, (1, 2)):
+                p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(seed))
+            opt.step()
+    for p, t in zip(params, twins):
+        v = opts[0].state[p]["exp_avg_sq"]
+        grad = v.sqrt() * torch.sign(torch.randn(v.shape, generator=g))
+        if kind == "Adam":  # L2 decay: torch's variance sees g + wd * p
+            grad = grad - wd * p.detach()
+        p.grad, t.grad = grad.clone(), grad.clone()
+    opts[0].step()
+    step_frozen_variance(opts[1])
+    for p, t in zip(params, twins):
+        torch.testing.assert_close(t, p, rtol=1e-6, atol=1e-7)
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            torch.testing.assert_close(opts[1].state[t][key], opts[0].state[p][key], rtol=1e-6, atol=1e-8)
+
+
+def test_frozen_step_never_writes_the_variance():
+    p = torch.nn.Parameter(torch.ones(10))
+    opt = torch.optim.AdamW([p], lr=0.1)
+    p.grad = torch.full((10,), 0.5)
+    opt.step()
+    before = opt.state[p]["exp_avg_sq"].clone()
+    p.grad = torch.full((10,), 100.0)
+    step_frozen_variance(opt)
+    assert torch.equal(opt.state[p]["exp_avg_sq"], before) and float(opt.state[p]["step"]) == 2
+
+
+def test_frozen_step_needs_a_warm_up_and_an_adam():
+    p = torch.nn.Parameter(torch.ones(3))
+    p.grad = torch.ones(3)
+    with pytest.raises(RuntimeError, match="warmup_steps >= 1"):
+        step_frozen_variance(torch.optim.Adam([p]))
+    with pytest.raises(NotSupportedError, match="needs an Adam or AdamW optimizer"):
+        check_freezable(torch.optim.SGD([p], lr=0.1))
+    with pytest.raises(NotSupportedError, match="amsgrad"):
+        check_freezable(torch.optim.Adam([p], amsgrad=True))
+
+
+@pytest.mark.parametrize("cfg, match", [
+    ({"gradient_compression": {"type": "onebit"}}, r"gradient_compression\.warmup_steps.*warm-up"),
+    ({"gradient_compression": {"type": "onebit", "warmup_steps": 5}, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}},
+     r"gradient_compression\.type, optimizer\.type.*'onebit' with SGD"),
+    ({"gradient_compression": {"type": "onebit", "warmup_steps": 5},
+      "optimizer": {"type": "Adam", "params": {"amsgrad": True}}}, r"amsgrad"),
+    ({"gradient_compression": {"type": "onebit", "warmup_steps": 5},
+      "fault_tolerance": {"replicas": 1, "mode": "replay"}}, r"'onebit' with 'replay'"),
+])
+def test_config_refuses_what_onebit_cannot_do(cfg, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config({"train_micro_batch_size_per_gpu": 1, **cfg})

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import random
-import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -30,6 +28,7 @@ from ..zero.flat import FlatSpace
 from . import read as cread
 from . import storage as cio
 from .buffers import HostBuffers  # noqa: F401 - re-exported: callers import it from here
+from .rng import rng_problem, rng_state, set_rng_state  # noqa: F401 - re-exported as well
 from .split import SplitLayout, merge_index, merge_layouts
 from .storage import CheckpointError
 
@@ -69,6 +68,7 @@ class TrainState:
     write_back: Callable[[], None]  # copy the masters into the model's parameters
     log: Callable[..., None]  # (message, level=INFO) on rank 0
     split: Optional[SplitLayout] = None  # the model is split over processes (split.py)
+    compressor: Any = None  # the gradient compressor (its warm-up position is saved, not its residuals)
 
 
 # ---- parameter state -------------------------------------------------------------------------
@@ -197,30 +197,6 @@ def from_json_scalar(value: Any, device: torch.device) -> Any:
     return value
 
 
-def rng_state() -> dict:
-    state: Dict[str, Any] = {"torch": torch.get_rng_state().tolist()}
-    version, internal, gauss = random.getstate()
-    state["python"] = [version, list(internal), gauss]
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
-    if "numpy" in sys.modules:
-        kind, keys, pos, has_gauss, cached = sys.modules["numpy"].random.get_state()
-        state["numpy"] = [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)]
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]])
-    if "numpy" in state and "numpy" in sys.modules:
-        np = sys.modules["numpy"]
-        kind, keys, pos, has_gauss, cached = state["numpy"]
-        np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
-
-
 def _stateful(obj: Any) -> bool:
     return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
 
@@ -289,19 +265,6 @@ def meta_problem(meta: dict) -> Optional[str]:
     return None
 
 
-def rng_problem(state: dict) -> Optional[str]:
-    """What in a parsed RNG file set_rng_state could not restore, None if nothing."""
-    try:
-        torch_state = torch.tensor(state["torch"], dtype=torch.uint8)
-        version, internal, gauss = state["python"]
-        random.Random().setstate((version, tuple(internal), gauss))
-    except (KeyError, TypeError, ValueError, RuntimeError, OverflowError) as e:
-        return f"{type(e).__name__}: {str(e)[:120]}"
-    if torch_state.shape != torch.get_rng_state().shape:
-        return f"its torch state has {torch_state.numel()} bytes, not {torch.get_rng_state().numel()}"
-    return None
-
-
 def writers(ts: TrainState) -> int:
     """The ranks that write a checkpoint's files (and own its RNG states)."""
     return ts.topology.world_size if ts.split is None else ts.split.world
@@ -325,8 +288,14 @@ def meta(ts: TrainState, tag: str, client_state: dict, index: List[dict], layout
         hasattr(scheduler, "state_dict") else None,
         "optimizer_scalars": {k: json_scalar(v) for k, v in scalars.items()},
         "client_state": client_state, "params": index, "data": data_state(ts),
-        "module": layout,
+        "module": layout, "compression": compression_position(ts.compressor),
     }
+
+
+def compression_position(compressor: Any) -> Optional[dict]:
+    """Where a compressor's warm-up stands (1-bit: whether Adam's variance is frozen). Its
+    error-feedback residuals are per rank and layout: a resume starts them afresh."""
+    return None if compressor is None else {"kind": type(compressor).__name__, "step": compressor.step}
 
 
 # ---- load --------------------------------------------------------------------------------------
@@ -388,6 +357,9 @@ def apply(ts: TrainState, saved: Tensors, extras: Tensors, rng: Optional[bytes],
     for key, value in meta["counters"].items():
         setattr(ts.counters, key, value)
     restore_data_state(ts, meta.get("data"))
+    saved_position = meta.get("compression")
+    if ts.compressor is not None and saved_position and saved_position["kind"] == type(ts.compressor).__name__:
+        ts.compressor.step = int(saved_position["step"])
     same = meta["world_size"] == writers(ts) and meta.get("layout", layout_of(ts)) == layout_of(ts)
     if same and rng is not None:
         set_rng_state(cio.json_from_bytes(rng))

@@ -1,7 +1,8 @@
 """Gradient compression for the data-parallel reduction (config `gradient_compression`).
 
 fp16/bf16 need no compressor: they set the reducer's reduction dtype (`reduction_setup`).
-topk.py sends each bucket's largest entries, powersgd.py low-rank factors of its matrices; both
+topk.py sends each bucket's largest entries, powersgd.py low-rank factors of its matrices,
+onebit.py one bit per element (1-bit Adam, with the variance frozen in zero/frozen.py); all
 build on base.py (bucket keys, layouts, error-feedback residuals). stats.py times the reduction.
 """
 from __future__ import annotations
@@ -14,11 +15,12 @@ import torch
 from ..precision import dtype_of
 from .base import BucketKey, ErrorFeedback, Layout
 from .codec import PairCodec
+from .onebit import OneBit
 from .powersgd import PowerSGD
 from .stats import CommStats, StepTimer
 from .topk import TopK
 
-__all__ = ["BucketKey", "CommStats", "ErrorFeedback", "Layout", "PairCodec", "PowerSGD", "Reduction",
+__all__ = ["BucketKey", "CommStats", "ErrorFeedback", "Layout", "OneBit", "PairCodec", "PowerSGD", "Reduction",
            "StepTimer", "TopK", "build_compressor", "reduction_setup"]
 
 
@@ -39,6 +41,8 @@ def build_compressor(gc) -> Optional[ErrorFeedback]:
         return TopK(gc.topk_ratio, gc.warmup_steps, gc.error_feedback, PairCodec(gc.topk_values, gc.topk_indices))
     if gc.type == "powersgd":
         return PowerSGD(gc.rank, gc.warmup_steps, gc.error_feedback)
+    if gc.type == "onebit":
+        return OneBit(gc.warmup_steps, gc.error_feedback)
     return None
 
 

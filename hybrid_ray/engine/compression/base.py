@@ -10,9 +10,10 @@ them after an overflow (the sum that produced them held inf/NaN).
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Sequence, Tuple
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import torch
+import torch.distributed as dist
 
 from .stats import StepTimer
 
@@ -48,6 +49,18 @@ class ErrorFeedback:
 
     def residual_norm(self) -> float:
         return math.sqrt(sum(float(r.double().square().sum()) for r in self.residuals.values()))
+
+
+def dense_exchange(acc: torch.Tensor, lo: int, hi: int, group: Optional[dist.ProcessGroup],
+                   timer: StepTimer) -> Tuple[int, Callable[[], torch.Tensor]]:
+    """The whole bucket (residual included) all-reduced: a compressor's warm-up, or nothing to
+    compress. Returns (bytes sent, finish -> the sum of [lo, hi))."""
+    work = dist.all_reduce(acc, group=group, async_op=True)
+
+    def finish() -> torch.Tensor:
+        timer.wait(work)
+        return acc[lo:hi]
+    return acc.numel() * 4, finish
 
 
 def host_copies(tensors: Dict[Any, torch.Tensor]) -> Dict[Any, torch.Tensor]:

@@ -27,9 +27,13 @@ one after the other); the bit packing is the real wire format.
 from __future__ import annotations
 
 import math
-from typing import Dict, Hashable, List, Tuple
+from typing import Any, Callable, Dict, Hashable, List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
+
+from .. import comm
+from .base import BucketKey, ErrorFeedback, Layout, dense_exchange, host_copies
 
 _BIT_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
 
@@ -49,14 +53,25 @@ def unpack_signs(packed: torch.Tensor, numel: int) -> torch.Tensor:
     return bits.reshape(-1)[:numel].to(torch.float32).mul_(2).sub_(1)
 
 
-def compress(x: torch.Tensor) -> Tuple[float, torch.Tensor]:
-    """(scale, packed signs): x is sent as scale * sign(x)."""
-    scale = float(x.norm()) / math.sqrt(max(1, x.numel()))
+def compress(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(scale as a one-element fp32 tensor, packed signs): x is sent as scale * sign(x)."""
+    scale = (x.float().norm() / math.sqrt(max(1, x.numel()))).reshape(1)
     return scale, pack_signs(x)
 
 
-def decompress(scale: float, packed: torch.Tensor, numel: int) -> torch.Tensor:
+def decompress(scale: torch.Tensor, packed: torch.Tensor, numel: int) -> torch.Tensor:
     return unpack_signs(packed, numel).mul_(scale)
+
+
+def encode(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(wire bytes: the fp32 scale then the bits, what the receiver decodes)."""
+    scale, bits = compress(x)
+    return torch.cat([scale.view(torch.uint8), bits]), decompress(scale, bits, x.numel())
+
+
+def decode(payload: torch.Tensor, numel: int) -> torch.Tensor:
+    scale = payload[:4].clone().view(torch.float32)  # a copy: the slice may be misaligned
+    return decompress(scale, payload[4:4 + (numel + 7) // 8], numel)
 
 
 def payload_bytes(numel: int) -> int:
@@ -103,3 +118,108 @@ class SignAverage:
         # Each rank serves one contiguous chunk: its scale covers only that chunk.
         chunks = total.tensor_split(self.ranks)
         return torch.cat([self._send(self.server, (key, r), c) for r, c in enumerate(chunks)])
+
+
+class OneBit(ErrorFeedback):
+    """The engine's 1-bit exchange: dense for `warmup_steps`, then sign bits with error feedback.
+
+    From the first compressed step on the optimizer must run with its variance frozen
+    (`freezes_variance`; zero/optimizer.py): Adam's variance of sign-compressed gradients would
+    be the same number everywhere. At ZeRO stages 1-3 each rank keeps an equal slice of the
+    bucket: every rank sends each owner that owner's slice (one all_to_all, n/8 bytes out per
+    rank) and the owner sums the decoded slices. At stage 0 every rank needs the whole sum:
+    the owner of each 1/W of the bucket then sends its decoded sum back at one bit too (its own
+    residual), in one all_gather, as 1-bit Adam's compressed all-reduce does.
+    """
+
+    def __init__(self, warmup_steps: int, error_feedback: bool = True):
+        super().__init__(warmup_steps, error_feedback)
+        self.server: Dict[BucketKey, torch.Tensor] = {}  # stage 0: residuals of the served chunk
+
+    @property
+    def freezes_variance(self) -> bool:
+        return self.step >= self.warmup_steps
+
+    def on_step(self, overflow: bool, scale_ratio: float) -> None:
+        counted = self.step
+        super().on_step(overflow, scale_ratio)
+        if overflow and counted < self.warmup_steps:
+            self.step = counted  # a skipped warm-up step estimated no variance
+        if overflow:
+            self.server.clear()
+        elif scale_ratio != 1.0:
+            for r in self.server.values():
+                r.mul_(scale_ratio)
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {**super().state_dict(), "server": host_copies(self.server)}
+
+    def load_state_dict(self, state: Dict[str, Any], device: torch.device) -> None:
+        super().load_state_dict(state, device)
+        self.server = {k: v.to(device) for k, v in state.get("server", {}).items()}
+
+    def exchange(self, key: BucketKey, grad: torch.Tensor, lo: int, hi: int,
+                 group: Optional[dist.ProcessGroup], layout: Optional[Layout] = None
+                 ) -> Tuple[int, Callable[[], torch.Tensor]]:
+        """Start one bucket's exchange; finish() returns the fp32 sum over ranks of [lo, hi)."""
+        with self.timer.span("compress"):
+            acc = grad.to(torch.float32, copy=True)  # never alias the flat gradient buffer
+            residual = self.residuals.pop(key, None)
+            if residual is not None:
+                acc.add_(residual)
+        if self.step < self.warmup_steps:
+            return dense_exchange(acc, lo, hi, group, self.timer)
+        world, me = dist.get_world_size(group), dist.get_rank(group)
+        whole = hi - lo == acc.numel()  # stage 0: every rank reduces the whole bucket
+        bounds = _bounds(acc.numel(), world)
+        if not whole and bounds[me] != (lo, hi):
+            raise ValueError(f"onebit: rank {me} keeps [{lo}, {hi}) of a {acc.numel()}-element bucket, "
+                             f"expected the equal slice {bounds[me]}")
+        with self.timer.span("compress"):
+            payloads = []
+            for a, b in bounds:
+                payload, sent = encode(acc[a:b])
+                acc[a:b].sub_(sent)
+                payloads.append(payload)
+            if self.error_feedback:
+                self.residuals[key] = acc
+        mine = payload_bytes(bounds[me][1] - bounds[me][0])
+        recv = torch.empty(world * mine, dtype=torch.uint8, device=acc.device)
+        send = torch.cat(payloads)
+        work = dist.all_to_all_single(recv, send, [mine] * world, [p.numel() for p in payloads],
+                                      group=group, async_op=True)
+
+        def finish() -> torch.Tensor:
+            self.timer.wait(work)
+            n = bounds[me][1] - bounds[me][0]
+            with self.timer.span("compress"):
+                total = sum(decode(row, n) for row in recv.view(world, mine))
+            if not whole:
+                return total
+            return self._serve(key, total, bounds, group)[lo:hi]
+        return send.numel(), finish
+
+    def _serve(self, key: BucketKey, total: torch.Tensor, bounds: List[Tuple[int, int]],
+               group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+        """Stage 0: this rank's summed chunk sent to all at one bit; the whole decoded sum."""
+        with self.timer.span("compress"):
+            residual = self.server.get(key)
+            if residual is not None:
+                total = total + residual
+            payload, sent = encode(total)
+            if self.error_feedback:
+                self.server[key] = total - sent
+            width = payload_bytes(max(b - a for a, b in bounds))
+            padded = torch.zeros(width, dtype=torch.uint8, device=total.device)
+            padded[:payload.numel()] = payload
+        rows = torch.empty(len(bounds) * width, dtype=torch.uint8, device=total.device)
+        self.timer.wait(comm.all_gather(rows, padded, group=group, async_op=True))
+        with self.timer.span("compress"):
+            return torch.cat([decode(row, b - a) for row, (a, b) in zip(rows.view(len(bounds), width), bounds)])
+
+
+def _bounds(numel: int, world: int) -> List[Tuple[int, int]]:
+    """Each rank's [begin, end) of a bucket: the engine's equal ZeRO slices (buckets are padded
+    to a multiple of the world size), or near-equal chunks of an unpadded stage-0 bucket."""
+    edges = [numel * r // world for r in range(world + 1)]
+    return list(zip(edges[:-1], edges[1:]))

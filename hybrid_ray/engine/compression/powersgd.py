@@ -54,7 +54,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from .base import BucketKey, ErrorFeedback, Layout, host_copies
+from .base import BucketKey, ErrorFeedback, Layout, dense_exchange, host_copies
 
 
 
@@ -137,7 +137,7 @@ class PowerSGD(ErrorFeedback):
         dense = layout is None or self.step < self.warmup_steps
         plan = None if dense else self._plan(key, layout, lo, hi, acc.device)
         if plan is None or not plan.mats:
-            return self._dense(acc, lo, hi, group)
+            return dense_exchange(acc, lo, hi, group, self.timer)
         with self.timer.span("compress"):
             nd = plan.dense_index.numel()
             buf = torch.empty(nd + plan.p_numel, dtype=torch.float32, device=acc.device)
@@ -220,12 +220,3 @@ class PowerSGD(ErrorFeedback):
             out[a - lo:b - lo] = rows[start:start + b - a]
         return out
 
-    def _dense(self, acc: torch.Tensor, lo: int, hi: int,
-               group: Optional[dist.ProcessGroup]) -> Tuple[int, Callable[[], torch.Tensor]]:
-        """The whole bucket (residual included) all-reduced: warm-up, or nothing to compress."""
-        work = dist.all_reduce(acc, group=group, async_op=True)
-
-        def finish() -> torch.Tensor:
-            self.timer.wait(work)
-            return acc[lo:hi]
-        return acc.numel() * 4, finish

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from .. import comm
 from .flat import FlatSpace
+from .frozen import check_freezable, step_frozen_variance
 from .offload import frozen_hyperparameters
 from .overlap import ParamGatherOverlap
 from .reducer import GradReducer
@@ -49,6 +50,7 @@ class Update:
     grads: List[torch.Tensor]  # the reduced master gradients, per space, still scaled
     coef: float  # what unscales and clips them
     optimizer: torch.optim.Optimizer  # a view with the step's hyperparameters frozen
+    frozen: bool = False  # 1-bit compression: the variance stays as the warm-up left it
 
 
 class ZeroOptimizer:
@@ -73,6 +75,17 @@ class ZeroOptimizer:
         self._sources: Optional[List[torch.Tensor]] = None
         # overlap_param_gather: the engine sets this; write_back then leaves the gathers to it.
         self.gather_overlap: Optional[ParamGatherOverlap] = None
+
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """The torch optimizer over the masters (built by the engine from config or the client's)."""
+        self.check_compressor(self.reducer.compressor, optimizer)
+        self.optimizer = optimizer
+
+    @staticmethod
+    def check_compressor(compressor: object, optimizer: torch.optim.Optimizer) -> None:
+        """A compressor that freezes Adam's variance (1-bit) needs an Adam or AdamW."""
+        if hasattr(compressor, "freezes_variance"):
+            check_freezable(optimizer)
 
     @property
     def master_device(self) -> torch.device:
@@ -150,14 +163,14 @@ class ZeroOptimizer:
         if not outcome.applied:
             self.reducer.release_master_grads()
             return outcome, None
-        return outcome, Update(grads, coef, frozen_hyperparameters(self.optimizer))
+        return outcome, Update(grads, coef, frozen_hyperparameters(self.optimizer), self._frozen_variance())
 
     def apply(self, update: Optional[Update]) -> None:
         """Apply what `prepare` decided (nothing after an overflow)."""
         if update is None:
             return
         try:
-            self._update(update.grads, update.coef, update.optimizer)
+            self._update(update.grads, update.coef, update.optimizer, update.frozen)
         finally:
             self.reducer.release_master_grads()
 
@@ -176,20 +189,28 @@ class ZeroOptimizer:
         outcome, coef = self._decide(grads, loss_scale, clip)
         if not outcome.applied:
             return outcome
+        frozen = self._frozen_variance()
         if self.offload is not None and self.offload.delayed:
-            job = partial(self._update, grads, coef, frozen_hyperparameters(self.optimizer))
+            job = partial(self._update, grads, coef, frozen_hyperparameters(self.optimizer), frozen)
             self.offload.runner.submit(job)
             self.offload.flip_grad_buffers()  # the next window must not land into `grads`
         else:
-            self._update(grads, coef, self.optimizer)
+            self._update(grads, coef, self.optimizer, frozen)
             self.write_back()
         return outcome
 
-    def _update(self, grads: List[torch.Tensor], coef: float, optimizer: torch.optim.Optimizer) -> None:
+    def _frozen_variance(self) -> bool:
+        """Whether this step's gradients came through a 1-bit exchange (decided before the
+        compressor's on_step advances it)."""
+        c = self.reducer.compressor
+        return c is not None and self.reducer.distributed and getattr(c, "freezes_variance", False)
+
+    def _update(self, grads: List[torch.Tensor], coef: float, optimizer: torch.optim.Optimizer,
+                frozen: bool = False) -> None:
         """Unscale and clip the gradients, step the optimizer (in the DPU thread: no collectives)."""
         if self.offload is not None:
             self.offload.wait_uploads()  # a pinned master may still be the source of an upload
-        step_masters(self.masters, grads, coef, optimizer)
+        step_masters(self.masters, grads, coef, optimizer, frozen)
         if self.offload is not None and self.offload.delayed:
             # Cast for the upload here, off the main thread; write_back then only copies.
             with torch.no_grad():
@@ -291,16 +312,17 @@ class ZeroOptimizer:
 
 
 def step_masters(masters: List[torch.Tensor], grads: List[torch.Tensor], coef: float,
-                 optimizer: torch.optim.Optimizer) -> None:
+                 optimizer: torch.optim.Optimizer, frozen: bool = False) -> None:
     """Scale the gradients by `coef` (unscale and clip, in place) and step `optimizer` over the
-    masters with them. Replicas in replay mode step a buddy's copy with this same function, so
-    that copy and shard stay bitwise equal where the kernel is the same."""
+    masters with them (`frozen`: Adam's variance left as it is, frozen.py). Replicas in replay
+    mode step a buddy's copy with this same function, so that copy and shard stay bitwise equal
+    where the kernel is the same."""
     with torch.no_grad():
         torch._foreach_mul_(grads, coef)
     for master, grad in zip(masters, grads):
         master.grad = grad
     try:
-        optimizer.step()
+        step_frozen_variance(optimizer) if frozen else optimizer.step()
     finally:
         for master in masters:
             master.grad = None
