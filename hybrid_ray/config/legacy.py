@@ -7,21 +7,32 @@ DeepSpeed still reads them (with a deprecation warning), and configs in the wild
   `offload_optimizer.pin_memory`);
 - `zero_optimization.stage3_gather_fp16_weights_on_model_save` is the older name of
   `stage3_gather_16bit_weights_on_model_save`.
+- `"optimizer": {"type": "OneBitAdam", "params": {..., "freeze_step": N}}` (DeepSpeed's 1-bit
+  Adam, an optimizer there) is AdamW with `gradient_compression: {"type": "onebit",
+  "warmup_steps": N}` here: the compression is the reducer's, the frozen variance the step's.
+  Its `cuda_aware` and `comm_backend_name` pick DeepSpeed's transport and are dropped.
 An old spelling beside a new one that says otherwise is a contradiction (ConfigError).
 """
 from __future__ import annotations
 
 from typing import Any, Mapping
 
-from hybrid_ray.config.errors import Verbatim, config_error
+from hybrid_ray.config.errors import NotSupportedError, Verbatim, config_error
 
 _ZERO = "zero_optimization"
 _RENAMED = {"stage3_gather_fp16_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save"}
 
 
+_ONEBIT_DEFAULT_FREEZE = 100000  # DeepSpeed's OneBitAdam default freeze_step
+_DROPPED_ONEBIT_KEYS = ("cuda_aware", "comm_backend_name")
+
+
 def normalise(raw: Any) -> Any:
     """`raw` with the old spellings replaced (a copy; anything but a dict passes through)."""
-    if not isinstance(raw, Mapping) or _ZERO not in raw:
+    if not isinstance(raw, Mapping):
+        return raw
+    raw = _onebit_optimizer(raw)
+    if _ZERO not in raw:
         return raw
     zero = raw[_ZERO]
     if isinstance(zero, bool):
@@ -84,3 +95,26 @@ def _contradiction(old: str, new: str, old_value: Any, new_value: Any) -> Except
     return config_error(f"{_ZERO}.{old}, {_ZERO}.{new}", "contradiction",
                         Verbatim(f"{old_value!r} and {new_value!r}"),
                         f"{old} is the older spelling of {new}: set only {new}")
+
+
+def _onebit_optimizer(raw: Mapping) -> Mapping:
+    """DeepSpeed's 1-bit optimizers as AdamW plus onebit compression (or a one-line refusal)."""
+    opt = raw.get("optimizer")
+    kind = opt.get("type") if isinstance(opt, Mapping) else None
+    if not isinstance(kind, str) or kind.lower() not in ("onebitadam", "zerooneadam", "onebitlamb"):
+        return raw
+    if kind.lower() != "onebitadam":
+        raise config_error("optimizer.type", "not supported", kind, "OneBitAdam (1-bit Adam, with any "
+                           "ZeRO stage), or AdamW with gradient_compression onebit", cls=NotSupportedError)
+    params = dict(opt.get("params") or {})
+    for key in _DROPPED_ONEBIT_KEYS:
+        params.pop(key, None)
+    freeze = params.pop("freeze_step", _ONEBIT_DEFAULT_FREEZE)
+    gc = raw.get("gradient_compression")
+    if isinstance(gc, Mapping) and gc.get("type", "none") not in ("none", "onebit"):
+        raise config_error("optimizer.type, gradient_compression.type", "contradiction",
+                           Verbatim(f"OneBitAdam with {gc.get('type')!r}"),
+                           "OneBitAdam is onebit compression: drop one of them")
+    gc = {"type": "onebit", "warmup_steps": freeze, **(dict(gc) if isinstance(gc, Mapping) else {})}
+    gc["type"] = "onebit"
+    return {**raw, "optimizer": {**opt, "type": "AdamW", "params": params}, "gradient_compression": gc}

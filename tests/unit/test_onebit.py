@@ -113,3 +113,17 @@ def test_frozen_step_needs_a_warm_up_and_an_adam():
 def test_config_refuses_what_onebit_cannot_do(cfg, match):
     with pytest.raises(ConfigError, match=match):
         load_config({"train_micro_batch_size_per_gpu": 1, **cfg})
+
+
+def test_deepspeeds_onebitadam_is_adamw_with_onebit_compression():
+    cfg = load_config({"train_micro_batch_size_per_gpu": 1,
+                       "optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-3, "freeze_step": 400,
+                                                                      "cuda_aware": False, "comm_backend_name": "nccl",
+                                                                      "weight_decay": 0.01}}})
+    assert cfg.optimizer.type == "AdamW" and cfg.optimizer.params == {"lr": 1e-3, "weight_decay": 0.01}
+    assert cfg.gradient_compression.type == "onebit" and cfg.gradient_compression.warmup_steps == 400
+    with pytest.raises(NotSupportedError, match=r"optimizer\.type.*ZeroOneAdam"):
+        load_config({"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "ZeroOneAdam"}})
+    with pytest.raises(ConfigError, match="OneBitAdam with 'topk'"):
+        load_config({"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "OneBitAdam"},
+                     "gradient_compression": {"type": "topk"}})
