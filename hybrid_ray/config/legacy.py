@@ -10,7 +10,8 @@ DeepSpeed still reads them (with a deprecation warning), and configs in the wild
 - `"optimizer": {"type": "OneBitAdam", "params": {..., "freeze_step": N}}` (DeepSpeed's 1-bit
   Adam, an optimizer there) is AdamW with `gradient_compression: {"type": "onebit",
   "warmup_steps": N}` here: the compression is the reducer's, the frozen variance the step's.
-  Its `cuda_aware` and `comm_backend_name` pick DeepSpeed's transport and are dropped.
+  Its `cuda_aware` and `comm_backend_name` pick DeepSpeed's transport and are dropped, as is
+  `bias_correction`: the update is torch's AdamW's, bias corrections included.
 An old spelling beside a new one that says otherwise is a contradiction (ConfigError).
 """
 from __future__ import annotations
@@ -24,7 +25,7 @@ _RENAMED = {"stage3_gather_fp16_weights_on_model_save": "stage3_gather_16bit_wei
 
 
 _ONEBIT_DEFAULT_FREEZE = 100000  # DeepSpeed's OneBitAdam default freeze_step
-_DROPPED_ONEBIT_KEYS = ("cuda_aware", "comm_backend_name")
+_DROPPED_ONEBIT_KEYS = ("cuda_aware", "comm_backend_name", "bias_correction")
 
 
 def normalise(raw: Any) -> Any:
