@@ -60,8 +60,10 @@ def exchange_run(rank: int) -> dict:
     return out
 
 
-def make_engine(stage: int, compression: dict, clip: float = 1.0) -> Engine:
+def make_engine(stage: int, compression: dict, clip: float = 1.0, offload: dict = None) -> Engine:
     zero = {"stage": stage, "reduce_bucket_size": 1500}
+    if offload is not None:
+        zero["offload_optimizer"] = {"device": "cpu", **offload}
     if stage == 3:
         zero["stage3_param_persistence_threshold"] = 1000
     cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": clip,
@@ -79,14 +81,15 @@ def momentum(engine: Engine) -> list:
 
 
 def train(rank: int, stage: int, compression: dict, steps: int = STEPS, engine: Engine = None,
-          start: int = 0) -> dict:
-    engine = engine or make_engine(stage, compression)
+          start: int = 0, offload: dict = None) -> dict:
+    engine = engine or make_engine(stage, compression, offload=offload)
     record = []
     for step in range(start, steps):
         x, y = batch(step, rank)
         loss = nn.functional.mse_loss(engine(x), y)
         engine.backward(loss)
         engine.step()
+        engine.finish_delayed_update()  # delayed update: the thread's step lands before we look
         record.append({"loss": float(loss), "variance": variance(engine), "momentum": momentum(engine),
                        "stats": engine.compression_stats()})
     return {"engine": engine, "record": record}
@@ -122,6 +125,12 @@ def run_all(rank: int, world: int, out: str) -> None:
             runs[name] = r
         runs["checkpoint"] = checkpoint_run(rank, stage, str(Path(out) / f"ckpt{stage}"))
         res[stage] = runs
+    for name, offload in {"offload": {}, "offload_dpu": {"delayed_param_update": True}}.items():
+        r = train(rank, 2, {"type": "onebit", "warmup_steps": WARMUP}, offload=offload)
+        r["engine"].finish_delayed_update()
+        r["params"] = full_params(r["engine"])
+        r.pop("engine").close()
+        res[name] = r
     torch.save(res, Path(out) / f"rank{rank}.pt")
 
 
@@ -197,3 +206,15 @@ def test_a_resume_after_the_warm_up_stays_frozen(results, stage):
         for v0, v1 in zip(ck["loaded"]["variance"], ck["after"]):
             assert torch.equal(v0, v1)
         assert all(bool(torch.isfinite(p).all()) for p in ck["resumed"])
+
+
+@pytest.mark.parametrize("case", ["offload", "offload_dpu"])
+def test_offloaded_masters_freeze_their_variance_too(results, case):
+    """The host step (and the delayed update's background step) runs the frozen update."""
+    for res in results:
+        rec = res[case]["record"]
+        for before, after in zip(rec[WARMUP:], rec[WARMUP + 1:]):
+            for v0, v1 in zip(before["variance"], after["variance"]):
+                assert torch.equal(v0, v1)
+    for a, b in zip(results[0][case]["params"], results[1][case]["params"]):
+        assert torch.equal(a, b)
