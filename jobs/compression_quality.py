@@ -35,12 +35,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import multiprocessing
 import statistics
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional
 
@@ -48,15 +47,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hybrid_ray.data import ensure_prepared, open_split  # noqa: E402
+from hybrid_ray.data import ensure_prepared  # noqa: E402
 from hybrid_ray.engine.compression.codec import VALUE_BYTES, PairCodec  # noqa: E402
 from hybrid_ray.engine.compression.onebit import SignAverage, payload_bytes  # noqa: E402
 from hybrid_ray.engine.compression.topk import TopK  # noqa: E402
-from hybrid_ray.engine.precision import is_norm  # noqa: E402
-from hybrid_ray.engine.schedulers import build_scheduler  # noqa: E402
-from hybrid_ray.lm.evaluate import evenly_spaced  # noqa: E402
 from hybrid_ray.lm.job import Job, load_job  # noqa: E402
-from hybrid_ray.lm.setup import build_model  # noqa: E402
+from hybrid_ray.lm.simulated import (Windows, bucket_grads, load_windows, rank_batches, set_grads,  # noqa: E402,F401 (Windows: tests)
+                                     start, val_loss)
 
 
 @dataclass(frozen=True)
@@ -94,91 +91,19 @@ def parse_variant(text: str) -> Variant:
     return Variant(text, ratio, warmup, codec)
 
 
-def load_windows(job: Job, device: torch.device):
-    """(train, val) windows of seq_len + 1 tokens as device tensors."""
-    d = job.data
-    meta = ensure_prepared(d.corpus, d.path, d.prepare, print)
-
-    def stack(split: str) -> torch.Tensor:
-        ds = open_split(d.path, meta, split, job.model.seq_len, d.cache_dir)
-        return torch.stack([torch.cat([x, y[-1:]]) for x, y in (ds[i] for i in range(len(ds)))]).to(device)
-    return stack("train"), stack("val"), meta["tokenizer"]["vocab_size"]
-
-
-def buckets_of(model: torch.nn.Module) -> List[List[torch.nn.Parameter]]:
-    """Parameters split as the engine's flat spaces split them under bf16: norms (kept fp32)
-    and the rest. Each is one reduce bucket at the default bucket size on models this small."""
-    norm_params = {id(p) for m in model.modules() if is_norm(m) for p in m.parameters(recurse=False)}
-    params = list(model.parameters())
-    return [b for b in ([p for p in params if id(p) not in norm_params],
-                        [p for p in params if id(p) in norm_params]) if b]
-
-
-class Windows:
-    """Training windows in a seeded random order, each seen once per pass."""
-
-    def __init__(self, count: int, seed: int, allow_repeat: bool, need: int):
-        if need > count and not allow_repeat:
-            raise SystemExit(f"the run needs {need:,} training windows, the corpus has {count:,}: it "
-                             "would see text twice; use a larger corpus (data.corpus.max_bytes, "
-                             "data.corpus.sources) or pass --allow-repeat")
-        self.count, self.gen, self.passes = count, torch.Generator().manual_seed(seed), 0
-        self._order, self._pos = torch.empty(0, dtype=torch.long), 0
-
-    def take(self, n: int) -> torch.Tensor:
-        if self._pos + n > self._order.numel():
-            self._order, self._pos = torch.randperm(self.count, generator=self.gen), 0
-            self.passes += 1
-        out = self._order[self._pos:self._pos + n]
-        self._pos += n
-        return out
-
-
-def _start(job: Job, steps: int, seed: int, ranks: int, data, allow_repeat: bool):
-    """(model, optimizer, scheduler, buckets, windows) of a fresh run, as the job builds them."""
-    train, _, vocab_size = data
-    e = job.engine
-    model = build_model(job, vocab_size, seed).to(train.device)
-    opt = getattr(torch.optim, e.optimizer.type)(model.parameters(), **e.optimizer.params)
-    sched = build_scheduler(_with_total(e.scheduler, steps), opt)
-    windows = Windows(train.shape[0], seed, allow_repeat, steps * e.train_micro_batch_size_per_gpu * ranks)
-    return model, opt, sched, buckets_of(model), windows
-
-
-def _rank_batches(job: Job, train: torch.Tensor, windows: Windows, ranks: int):
-    micro = job.engine.train_micro_batch_size_per_gpu
-    idx = windows.take(micro * ranks).to(train.device)
-    return [train[idx[r * micro:(r + 1) * micro]] for r in range(ranks)]
-
-
-def _bucket_grads(model, buckets, batch: torch.Tensor) -> List[torch.Tensor]:
-    """This batch's gradient, one flat fp32 tensor per bucket."""
-    model.zero_grad(set_to_none=True)
-    model(batch[:, :-1], batch[:, 1:]).backward()
-    return [torch.cat([p.grad.reshape(-1) for p in bucket]) for bucket in buckets]
-
-
-def _set_grads(buckets, flats: List[torch.Tensor]) -> None:
-    for bucket, flat in zip(buckets, flats):
-        off = 0
-        for p in bucket:
-            p.grad = flat[off:off + p.numel()].view_as(p)
-            off += p.numel()
-
-
 def run(job: Job, variant: Variant, steps: int, seed: int, ranks: int, data, allow_repeat: bool = False) -> dict:
     """Train one variant; val loss (nats/token) and bytes sent per rank."""
     if variant.onebit:
         return run_onebit(job, variant, steps, seed, ranks, data, allow_repeat)
     train, val, _ = data
     e = job.engine
-    model, opt, sched, buckets, windows = _start(job, steps, seed, ranks, data, allow_repeat)
+    model, opt, sched, buckets, windows = start(job, steps, seed, ranks, data, allow_repeat)
     comps = [TopK(variant.ratio, variant.warmup, codec=variant.codec) for _ in range(ranks)] if variant.ratio else None
     sent = dense_bytes = sent_after = dense_after = 0
     for step in range(steps):
         sums = [torch.zeros(sum(p.numel() for p in b), device=train.device) for b in buckets]
-        for r, batch in enumerate(_rank_batches(job, train, windows, ranks)):
-            for key, (grad, total) in enumerate(zip(_bucket_grads(model, buckets, batch), sums)):
+        for r, batch in enumerate(rank_batches(job, train, windows, ranks)):
+            for key, (grad, total) in enumerate(zip(bucket_grads(model, buckets, batch), sums)):
                 if comps is None:
                     total.add_(grad)
                     nbytes = grad.numel() * 4
@@ -189,7 +114,7 @@ def run(job: Job, variant: Variant, steps: int, seed: int, ranks: int, data, all
                 sent, dense_bytes = sent + nbytes, dense_bytes + grad.numel() * 4
                 if comps is None or step >= variant.warmup:
                     sent_after, dense_after = sent_after + nbytes, dense_after + grad.numel() * 4
-        _set_grads(buckets, [t / ranks for t in sums])
+        set_grads(buckets, [t / ranks for t in sums])
         if e.gradient_clipping > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), e.gradient_clipping)
         opt.step()
@@ -197,7 +122,7 @@ def run(job: Job, variant: Variant, steps: int, seed: int, ranks: int, data, all
             sched.step()
         for c in comps or ():
             c.on_step(False, 1.0)
-    return {"val_loss": _val_loss(model, val, job.train.eval_samples, e.train_micro_batch_size_per_gpu),
+    return {"val_loss": val_loss(model, val, job.train.eval_samples, e.train_micro_batch_size_per_gpu),
             "bytes_ratio_after_warmup": dense_after / sent_after if sent_after else None,
             "bytes_ratio_whole_run": dense_bytes / sent, "passes": windows.passes}
 
@@ -212,18 +137,18 @@ def run_onebit(job: Job, variant: Variant, steps: int, seed: int, ranks: int, da
     the averaged gradient's global norm as dense is, and fed to the shared momentum."""
     train, val, _ = data
     e = job.engine
-    model, opt, sched, buckets, windows = _start(job, steps, seed, ranks, data, allow_repeat)
+    model, opt, sched, buckets, windows = start(job, steps, seed, ranks, data, allow_repeat)
     beta1 = opt.param_groups[0]["betas"][0]
     avg = SignAverage(ranks)
     momentum = variance = None
     sent = dense_bytes = 0
     for step in range(steps):
-        grads = [_bucket_grads(model, buckets, batch) for batch in _rank_batches(job, train, windows, ranks)]
+        grads = [bucket_grads(model, buckets, batch) for batch in rank_batches(job, train, windows, ranks)]
         dense = sum(g.numel() * 4 for g in grads[0]) * ranks
         dense_bytes += dense
         if step < variant.warmup:
             sent += dense
-            _set_grads(buckets, [torch.stack(gs).mean(0) for gs in zip(*grads)])
+            set_grads(buckets, [torch.stack(gs).mean(0) for gs in zip(*grads)])
             if e.gradient_clipping > 0:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), e.gradient_clipping)
             opt.step()
@@ -240,7 +165,7 @@ def run_onebit(job: Job, variant: Variant, steps: int, seed: int, ranks: int, da
         if sched is not None:
             sched.step()
     after = steps - variant.warmup
-    return {"val_loss": _val_loss(model, val, job.train.eval_samples, e.train_micro_batch_size_per_gpu),
+    return {"val_loss": val_loss(model, val, job.train.eval_samples, e.train_micro_batch_size_per_gpu),
             "bytes_ratio_after_warmup": (dense_bytes / steps * after) / (sent - dense_bytes / steps * variant.warmup)
             if after > 0 else None,
             "bytes_ratio_whole_run": dense_bytes / sent, "passes": windows.passes}
@@ -274,25 +199,6 @@ def _frozen_step(opt, buckets, momentum: List[torch.Tensor], variance: List[torc
         for p in bucket:
             p.mul_(1 - lr * wd).sub_(update[off:off + p.numel()].view_as(p), alpha=lr)
             off += p.numel()
-
-
-def _with_total(sched_cfg, steps: int):
-    """The job's scheduler stretched over `steps` when it has a total (a longer study run)."""
-    if sched_cfg is None or getattr(sched_cfg.params, "total_num_steps", None) is None:
-        return sched_cfg
-    return replace(sched_cfg, params=replace(sched_cfg.params, total_num_steps=steps))
-
-
-@torch.no_grad()
-def _val_loss(model, val: torch.Tensor, count: Optional[int], micro: int) -> float:
-    """Mean loss over the same evenly spaced windows the job evaluates."""
-    model.eval()
-    chosen = torch.tensor(evenly_spaced(val.shape[0], count), device=val.device)
-    total = 0.0
-    for lo in range(0, chosen.numel(), micro):
-        batch = val[chosen[lo:lo + micro]]
-        total += model(batch[:, :-1], batch[:, 1:]).item() * batch.shape[0]
-    return total / chosen.numel()
 
 
 def main(argv: Optional[List[str]] = None) -> List[dict]:
