@@ -388,10 +388,8 @@ class Engine(EngineLifecycle, EngineState, DeepSpeedAccessors, PipelineBatches):
                                "the accumulation boundary, before the next backward)")
         raw = {"type": "none"} if spec is None else {"type": spec} if isinstance(spec, str) else spec
         old, config = self.gradient_compression, replace_section(self.config, "gradient_compression", raw)
-        reduction = reduction_setup(config)
-        self.zero.check_compressor(reduction.compressor, self.optimizer)  # refused before any change
+        self.zero.set_compression(reduction_setup(config))  # a refusal changes nothing
         self.config = config
-        self.reducer.set_compression(reduction)
         self._log(f"step {self.global_steps}: gradient_compression {old} -> {self.gradient_compression}")
 
 

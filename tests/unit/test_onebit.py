@@ -127,3 +127,15 @@ def test_deepspeeds_onebitadam_is_adamw_with_onebit_compression():
     with pytest.raises(ConfigError, match="OneBitAdam with 'topk'"):
         load_config({"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "OneBitAdam"},
                      "gradient_compression": {"type": "topk"}})
+
+
+def test_switching_a_client_sgd_to_onebit_is_refused_and_changes_nothing():
+    import hybrid_ray
+    model = torch.nn.Linear(4, 2)
+    engine, *_ = hybrid_ray.initialize(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                       config={"train_micro_batch_size_per_gpu": 1})
+    before = engine.gradient_compression
+    with pytest.raises(NotSupportedError, match="needs an Adam or AdamW optimizer"):
+        engine.set_gradient_compression({"type": "onebit", "warmup_steps": 1})
+    assert engine.gradient_compression == before and engine.reducer.compressor is None
+    engine.close()

@@ -81,6 +81,11 @@ class ZeroOptimizer:
         self.check_compressor(self.reducer.compressor, optimizer)
         self.optimizer = optimizer
 
+    def set_compression(self, reduction) -> None:
+        """The reducer's new Reduction, once the optimizer can run with it (1-bit: Adam only)."""
+        self.check_compressor(reduction.compressor, self.optimizer)
+        self.reducer.set_compression(reduction)
+
     @staticmethod
     def check_compressor(compressor: object, optimizer: torch.optim.Optimizer) -> None:
         """A compressor that freezes Adam's variance (1-bit) needs an Adam or AdamW."""
