@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "jobs" / "bench_compression.py"
 TINY = ["--layers", "1", "--dim", "32", "--heads", "2", "--vocab", "64", "--seq", "16",
         "--micro-batch", "2", "--warmup", "1", "--steps", "2", "--rounds", "1", "--quiet"]
-SETTINGS = {"dense", "bf16", "topk", "powersgd"}
+SETTINGS = {"dense", "bf16", "topk", "powersgd", "onebit"}
 CAN_NETNS = os.geteuid() == 0 and shutil.which("ip") is not None and shutil.which("tc") is not None
 
 
@@ -36,7 +36,7 @@ def run_bench(tmp_path: Path, *flags: str) -> dict:
 def check_settings(res: dict, wire: bool) -> None:
     s = res["settings"]
     assert set(s) == SETTINGS
-    for name in ("dense", "bf16", "topk"):
+    for name in ("dense", "bf16", "topk", "onebit"):
         assert s[name]["available"], s[name]
         assert len(s[name]["step_s"]) == 2 and s[name]["step_s_median"] > 0
         assert s[name]["speedup_vs_dense"] > 0
@@ -44,6 +44,7 @@ def check_settings(res: dict, wire: bool) -> None:
     assert s["powersgd"]["available"] or s["powersgd"]["reason"]
     dense, topk = s["dense"]["bytes_sent_per_step"], s["topk"]["bytes_sent_per_step"]
     assert dense > 0 and topk * 20 < dense, (dense, topk)
+    assert s["onebit"]["bytes_sent_per_step"] * 25 < dense  # one bit and a scale per slice
     assert s["bf16"]["bytes_sent_per_step"] * 2 == dense
     assert s["dense"]["speedup_vs_dense"] == 1.0
     if wire:  # the veth counters: ZeRO-2's parameter all-gather keeps top-k's traffic above half
@@ -68,7 +69,7 @@ def test_netns_shaped_link(tmp_path):
 @pytest.mark.dist
 @pytest.mark.slow
 def test_loopback(tmp_path):
-    res = run_bench(tmp_path, "--link", "loopback", "--settings", "dense,bf16,topk,powersgd")
+    res = run_bench(tmp_path, "--link", "loopback", "--settings", "dense,bf16,topk,powersgd,onebit")
     check_settings(res, wire=False)
     assert res["link"]["mode"] == "loopback" and res["link"]["rate"] is None
 

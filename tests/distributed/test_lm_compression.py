@@ -1,6 +1,7 @@
-"""The LM job with top-k 0.01 gradient compression (error feedback, density warm-up) on 2 gloo
-ranks through jobs/train_lm.py: it trains, and once the warm-up is over each rank sends >= 30x
-fewer gradient bytes per step than the dense reduction would (indices counted).
+"""The LM job with top-k 0.01 gradient compression (error feedback, density warm-up) and with
+1-bit Adam (onebit) on 2 gloo ranks through jobs/train_lm.py: it trains, and once the warm-up
+is over each rank sends >= 30x fewer gradient bytes per step than the dense reduction would
+(indices and scales counted).
 
 How close it ends to the dense run is measured in BENCHMARKS.md ("Gradient compression: LM
 quality"), not asserted here: on these short runs it is not within 3%."""
@@ -18,11 +19,13 @@ pytestmark = [pytest.mark.dist, pytest.mark.slow]
 STEPS, WARMUP = 40, 10
 
 
-def test_topk_001_lm_job_trains_and_sends_30x_fewer_bytes(tmp_path):
+@pytest.mark.parametrize("compression", [{"type": "topk", "topk_ratio": 0.01, "warmup_steps": WARMUP},
+                                         {"type": "onebit", "warmup_steps": WARMUP}], ids=["topk", "onebit"])
+def test_compressed_lm_job_trains_and_sends_30x_fewer_bytes(tmp_path, compression):
     job = tiny_job(tmp_path / "data", tmp_path / "run", steps=STEPS, eval_interval=STEPS, sample_tokens=0)
     job["engine"]["steps_per_print"] = 5
     job["engine"]["zero_optimization"]["stage"] = 2
-    job["engine"]["gradient_compression"] = {"type": "topk", "topk_ratio": 0.01, "warmup_steps": WARMUP}
+    job["engine"]["gradient_compression"] = compression
     proc = run_job(tmp_path, job, "--nproc", "2")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
