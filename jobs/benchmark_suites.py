@@ -45,9 +45,9 @@ SUITES: Dict[str, List[dict]] = {
     # Partial offload (offload_optimizer.ratio): half of the optimizer state on the host, or what
     # does not fit in half the free device memory ("auto"), against DeepSpeed's whole offload.
     "offload-ratio-gpu1": [dict(impl="deepspeed", stage=2, offload=True, model="1.3b"),
+                           dict(impl="hybrid", stage=2, offload=True, offload_ratio="auto", model="1.3b"),
                            dict(impl="hybrid", stage=2, offload=True, model="1.3b"),
-                           dict(impl="hybrid", stage=2, offload=True, offload_ratio=0.5, model="1.3b"),
-                           dict(impl="hybrid", stage=2, offload=True, offload_ratio="auto", model="1.3b")],
+                           dict(impl="hybrid", stage=2, offload=True, offload_ratio=0.5, model="1.3b")],
     # The same at the sizes where offload is needed (2.7B: micro-batch 4), and the largest model
     # each trains on one GPU and its host (DeepSpeed was killed for host memory at 6.7B).
     "offload-ratio-gpu1-2.7b": [dict(impl="deepspeed", stage=2, offload=True, model="2.7b"),
