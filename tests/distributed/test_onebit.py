@@ -113,6 +113,27 @@ def checkpoint_run(rank: int, stage: int, root: str) -> dict:
     return out
 
 
+def overflow_run(rank: int, steps: int = 5, poisoned: int = 1) -> dict:
+    """fp16: rank 1's loss is inf at one warm-up step; that step is skipped on both ranks and
+    does not count towards the warm-up, so the variance freezes one step later."""
+    cfg_extra = {"fp16": {"enabled": True, "hysteresis": 1, "initial_scale_power": 8}}
+    zero = {"stage": 1, "reduce_bucket_size": 1500}
+    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": 1.0, **cfg_extra,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+           "gradient_compression": {"type": "onebit", "warmup_steps": WARMUP}, "zero_optimization": zero}
+    engine = Engine(model(), cfg, topology=Topology.from_environment())
+    record = []
+    for step in range(steps):
+        x, y = batch(step, rank)
+        loss = nn.functional.mse_loss(engine(x), y)
+        engine.backward(loss * float("inf") if (step == poisoned and rank == 1) else loss)
+        engine.step()
+        record.append({"skipped": engine.skipped_steps, "warm_up_step": engine.reducer.compressor.step,
+                       "frozen": engine.reducer.compressor.freezes_variance})
+    engine.close()
+    return record
+
+
 def run_all(rank: int, world: int, out: str) -> None:
     res = {"exchange": exchange_run(rank)}
     for stage in (0, 1, 2, 3):
@@ -125,6 +146,7 @@ def run_all(rank: int, world: int, out: str) -> None:
             runs[name] = r
         runs["checkpoint"] = checkpoint_run(rank, stage, str(Path(out) / f"ckpt{stage}"))
         res[stage] = runs
+    res["overflow"] = overflow_run(rank)
     for name, offload in {"offload": {}, "offload_dpu": {"delayed_param_update": True}}.items():
         r = train(rank, 2, {"type": "onebit", "warmup_steps": WARMUP}, offload=offload)
         r["engine"].finish_delayed_update()
@@ -218,3 +240,11 @@ def test_offloaded_masters_freeze_their_variance_too(results, case):
                 assert torch.equal(v0, v1)
     for a, b in zip(results[0][case]["params"], results[1][case]["params"]):
         assert torch.equal(a, b)
+
+
+def test_an_overflowed_warm_up_step_does_not_count(results):
+    for res in results:
+        rec = res["overflow"]
+        assert [r["skipped"] for r in rec] == [0, 1, 1, 1, 1]
+        assert [r["warm_up_step"] for r in rec] == [1, 1, 2, 3, 4]
+        assert [r["frozen"] for r in rec] == [False, False, True, True, True]
