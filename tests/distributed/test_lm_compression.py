@@ -26,6 +26,11 @@ def test_compressed_lm_job_trains_and_sends_30x_fewer_bytes(tmp_path, compressio
     job["engine"]["steps_per_print"] = 5
     job["engine"]["zero_optimization"]["stage"] = 2
     job["engine"]["gradient_compression"] = compression
+    if compression["type"] == "onebit":
+        # 1-bit Adam needs clipping here: unclipped at lr 0.01, its frozen-variance updates
+        # diverged on 2 of 4 seeds of this job (final val loss 6.5 and 21.9); clipped at 1.0, 6
+        # of 6 seeds ended at 3.07-3.11 (docs/engine.md).
+        job["engine"]["gradient_clipping"] = 1.0
     proc = run_job(tmp_path, job, "--nproc", "2")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

@@ -139,3 +139,17 @@ def test_switching_a_client_sgd_to_onebit_is_refused_and_changes_nothing():
         engine.set_gradient_compression({"type": "onebit", "warmup_steps": 1})
     assert engine.gradient_compression == before and engine.reducer.compressor is None
     engine.close()
+
+
+def test_an_element_that_never_saw_a_gradient_is_not_moved_by_the_frozen_step():
+    """Its variance is 0: a 1-bit +-scale divided by eps would throw it 1e8 x lr away."""
+    p = torch.nn.Parameter(torch.ones(4))
+    opt = torch.optim.AdamW([p], lr=0.1, weight_decay=0.0)
+    p.grad = torch.tensor([0.5, 0.0, -0.5, 0.0])  # elements 1 and 3 unused in the warm-up
+    opt.step()
+    before = p.detach().clone()
+    p.grad = torch.tensor([0.3, 0.3, -0.3, -0.3])  # the 1-bit exchange gives every element a value
+    step_frozen_variance(opt)
+    moved = (p.detach() - before).abs()
+    assert moved[1] == 0 and moved[3] == 0 and 0 < moved[0] < 0.2 and 0 < moved[2] < 0.2
+    assert opt.state[p]["exp_avg"][1] == 0 and opt.state[p]["exp_avg"][3] == 0

@@ -6,6 +6,12 @@ the variance estimated during the dense warm-up and updates only the momentum. T
 torch's Adam/AdamW step (same state, same bias corrections, same decoupled or L2 weight decay)
 with `exp_avg_sq` read but never written, so the optimizer's state dict, checkpoints and a
 later unfrozen step keep working unchanged.
+
+An element whose variance is exactly zero saw no gradient during the whole warm-up (an embedding
+row of a token not yet seen, a padding row). A 1-bit exchange sends it +-scale like every other
+element, and divided by sqrt(0) + eps that is an update of ~1e8 times the learning rate: the run
+diverges (seen on the LM job). Such elements keep a zero momentum and no update once frozen, as
+DeepSpeed's `exp_avg_mask` does for rows its user names; weight decay still applies.
 """
 from __future__ import annotations
 
@@ -58,9 +64,12 @@ def _step(optimizer: torch.optim.Optimizer, group: dict, params: List[torch.Tens
             torch._foreach_mul_(params, 1 - lr * wd)
         else:
             grads = torch._foreach_add(grads, params, alpha=wd)
-    torch._foreach_lerp_([s["exp_avg"] for s in states], grads, 1 - beta1)
+    exp_avgs, exp_avg_sqs = [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states]
+    torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+    for m, v in zip(exp_avgs, exp_avg_sqs):
+        m.masked_fill_(v == 0, 0.0)  # never saw a gradient in the warm-up: no 1-bit update
     t = float(steps[0])  # the same for every parameter of a group stepped together
-    denom = torch._foreach_sqrt([s["exp_avg_sq"] for s in states])
+    denom = torch._foreach_sqrt(exp_avg_sqs)
     torch._foreach_div_(denom, math.sqrt(1 - beta2 ** t))
     torch._foreach_add_(denom, eps)
-    torch._foreach_addcdiv_(params, [s["exp_avg"] for s in states], denom, -lr / (1 - beta1 ** t))
+    torch._foreach_addcdiv_(params, exp_avgs, denom, -lr / (1 - beta1 ** t))
