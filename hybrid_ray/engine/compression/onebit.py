@@ -190,6 +190,7 @@ class OneBit(ErrorFeedback):
                                       group=group, async_op=True)
 
         def finish() -> torch.Tensor:
+            _ = send  # held until the collective is done, whatever the backend's work keeps
             self.timer.wait(work)
             n = bounds[me][1] - bounds[me][0]
             with self.timer.span("compress"):
