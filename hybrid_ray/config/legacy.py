@@ -116,6 +116,5 @@ def _onebit_optimizer(raw: Mapping) -> Mapping:
         raise config_error("optimizer.type, gradient_compression.type", "contradiction",
                            Verbatim(f"OneBitAdam with {gc.get('type')!r}"),
                            "OneBitAdam is onebit compression: drop one of them")
-    gc = {"type": "onebit", "warmup_steps": freeze, **(dict(gc) if isinstance(gc, Mapping) else {})}
-    gc["type"] = "onebit"
+    gc = {"warmup_steps": freeze, **(dict(gc) if isinstance(gc, Mapping) else {}), "type": "onebit"}
     return {**raw, "optimizer": {**opt, "type": "AdamW", "params": params}, "gradient_compression": gc}

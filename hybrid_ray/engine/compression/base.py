@@ -30,14 +30,28 @@ class ErrorFeedback:
         self.step = 0  # optimizer steps seen (on_step), drives the warm-up
         self.timer = StepTimer(torch.device("cpu"))  # the reducer hands in its own
 
+    def residual_stores(self) -> Tuple[Dict[Any, torch.Tensor], ...]:
+        """Every dict of residuals this compressor keeps (a subclass may keep more than one)."""
+        return (self.residuals,)
+
     def on_step(self, overflow: bool, scale_ratio: float) -> None:
         """After an optimizer step: advance the warm-up; keep residuals in the new loss scale."""
         self.step += 1
-        if overflow:
-            self.residuals.clear()
-        elif scale_ratio != 1.0:
-            for r in self.residuals.values():
-                r.mul_(scale_ratio)
+        for store in self.residual_stores():
+            if overflow:
+                store.clear()
+            elif scale_ratio != 1.0:
+                for r in store.values():
+                    r.mul_(scale_ratio)
+
+    def with_residual(self, key: BucketKey, grad: torch.Tensor) -> torch.Tensor:
+        """The bucket's gradient in fp32 plus the residual it carries (taken out of the store): a
+        new tensor, never an alias of the flat gradient buffer."""
+        acc = grad.to(torch.float32, copy=True)
+        residual = self.residuals.pop(key, None)
+        if residual is not None:
+            acc.add_(residual)
+        return acc
 
     def state_dict(self) -> Dict[str, Any]:
         """Host copies of what a recovery at the same size needs to go on bit for bit."""

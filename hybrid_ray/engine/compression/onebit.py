@@ -93,8 +93,7 @@ class SignAverage:
         residual = store.get(key)
         if residual is not None:
             acc.add_(residual)
-        scale, bits = compress(acc)
-        sent = decompress(scale, bits, acc.numel())
+        sent = encode(acc)[1]
         store[key] = acc.sub_(sent)
         return sent
 
@@ -140,16 +139,14 @@ class OneBit(ErrorFeedback):
     def freezes_variance(self) -> bool:
         return self.step >= self.warmup_steps
 
+    def residual_stores(self) -> Tuple[Dict[Any, torch.Tensor], ...]:
+        return (self.residuals, self.server)
+
     def on_step(self, overflow: bool, scale_ratio: float) -> None:
         counted = self.step
         super().on_step(overflow, scale_ratio)
         if overflow and counted < self.warmup_steps:
             self.step = counted  # a skipped warm-up step estimated no variance
-        if overflow:
-            self.server.clear()
-        elif scale_ratio != 1.0:
-            for r in self.server.values():
-                r.mul_(scale_ratio)
 
     def state_dict(self) -> Dict[str, Any]:
         return {**super().state_dict(), "server": host_copies(self.server)}
@@ -163,10 +160,7 @@ class OneBit(ErrorFeedback):
                  ) -> Tuple[int, Callable[[], torch.Tensor]]:
         """Start one bucket's exchange; finish() returns the fp32 sum over ranks of [lo, hi)."""
         with self.timer.span("compress"):
-            acc = grad.to(torch.float32, copy=True)  # never alias the flat gradient buffer
-            residual = self.residuals.pop(key, None)
-            if residual is not None:
-                acc.add_(residual)
+            acc = self.with_residual(key, grad)
         if self.step < self.warmup_steps:
             return dense_exchange(acc, lo, hi, group, self.timer)
         world, me = dist.get_world_size(group), dist.get_rank(group)

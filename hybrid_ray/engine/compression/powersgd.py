@@ -130,10 +130,7 @@ class PowerSGD(ErrorFeedback):
         the warm-up, or with nothing worth compressing) the bucket is all-reduced densely.
         """
         with self.timer.span("compress"):
-            acc = grad.to(torch.float32, copy=True)  # D = g + e; never alias the flat gradient
-            residual = self.residuals.pop(key, None)
-            if residual is not None:
-                acc.add_(residual)
+            acc = self.with_residual(key, grad)  # D = g + e
         dense = layout is None or self.step < self.warmup_steps
         plan = None if dense else self._plan(key, layout, lo, hi, acc.device)
         if plan is None or not plan.mats:

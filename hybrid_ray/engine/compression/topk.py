@@ -44,10 +44,7 @@ class TopK(ErrorFeedback):
     def select(self, key: BucketKey, grad: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(int32 indices, the values as receivers decode them, payload bytes) for one bucket;
         the remainder, rounding included, becomes the residual."""
-        acc = grad.to(torch.float32, copy=True)  # never alias the flat gradient buffer
-        residual = self.residuals.get(key)
-        if residual is not None:
-            acc.add_(residual)
+        acc = self.with_residual(key, grad)
         k = self.k_for(acc.numel())
         idx = torch.topk(acc.abs(), k, sorted=False).indices
         if self.codec.sorted:
