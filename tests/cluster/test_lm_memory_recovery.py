@@ -35,6 +35,9 @@ def test_a_killed_worker_is_rebuilt_from_memory_by_a_warm_spare(ray_session, dat
     resumed = [e for e in killed.events if "from the replicas in memory" in e]
     assert len(resumed) == 1, killed.events
     step = int(re.search(r"resumed at step (\d+)", resumed[0]).group(1))
-    assert 0 <= seen - step <= 1, (seen, step)
+    # At most one of the steps the driver saw done is redone. The replicas may hold a later
+    # step than the driver saw (its poll lags the workers: seen 9, resumed at 10 in one soak
+    # run); bitwise the same val loss says that step's state was whole.
+    assert seen - step <= 1, (seen, step)
     steps = [r["step"] for r in killed.records if "train_loss" in r]
     assert steps[-1] == 16
