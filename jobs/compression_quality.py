@@ -131,10 +131,12 @@ def run_onebit(job: Job, variant: Variant, steps: int, seed: int, ranks: int, da
                allow_repeat: bool = False) -> dict:
     """1-bit Adam (onebit.py): the job's AdamW for `variant.warmup` steps, then its variance
     frozen and the update AdamW's (bias corrections included) with that variance.
-    "momentum": each rank's momentum is averaged at one bit per element (the paper's form); a
-    rank clips its own gradient first (the global norm would need the uncompressed sum).
-    "grad": each rank's gradient is averaged at one bit per element (ZeRO's form), clipped by
-    the averaged gradient's global norm as dense is, and fed to the shared momentum."""
+    "momentum": each rank's momentum is averaged at one bit per element (the paper's form, the
+    engine's `form: momentum`); a rank clips its own gradient first (the global norm would need
+    the uncompressed sum). "grad": each rank's gradient is averaged at one bit per element (the
+    engine's `form: gradient`), clipped by the averaged gradient's global norm as dense is, and
+    fed to the shared momentum. Both send each owner its chunk with its own scale, as the engine
+    does, and leave elements that saw no gradient in the warm-up alone (zero/frozen.py)."""
     train, val, _ = data
     e = job.engine
     model, opt, sched, buckets, windows = start(job, steps, seed, ranks, data, allow_repeat)
@@ -195,6 +197,7 @@ def _frozen_step(opt, buckets, momentum: List[torch.Tensor], variance: List[torc
     (beta1, beta2), lr, eps, wd = g["betas"], g["lr"], g["eps"], g["weight_decay"]
     for bucket, m, v in zip(buckets, momentum, variance):
         update = (m / (1 - beta1 ** t)) / ((v / (1 - beta2 ** t)).sqrt() + eps)
+        update.masked_fill_(v == 0, 0.0)  # no gradient in the warm-up: no 1-bit update (zero/frozen.py)
         off = 0
         for p in bucket:
             p.mul_(1 - lr * wd).sub_(update[off:off + p.numel()].view_as(p), alpha=lr)

@@ -108,14 +108,10 @@ class SignAverage:
         return total.div_(self.ranks)
 
     def average(self, key: Hashable, tensors: List[torch.Tensor]) -> torch.Tensor:
-        """The decoded average of one tensor per rank (what every rank ends up holding)."""
-        assert len(tensors) == self.ranks
-        total = torch.zeros_like(tensors[0], dtype=torch.float32)
-        for r, t in enumerate(tensors):
-            total.add_(self._send(self.worker, (key, r), t))
-        total.div_(self.ranks)
-        # Each rank serves one contiguous chunk: its scale covers only that chunk.
-        chunks = total.tensor_split(self.ranks)
+        """The decoded average of one tensor per rank (what every rank ends up holding): the
+        worker level as `reduce` (a scale per owner's chunk, as the engine's momentum form
+        sends it), then each owner's averaged chunk sent back at one bit with its own residual."""
+        chunks = self.reduce(key, tensors).tensor_split(self.ranks)
         return torch.cat([self._send(self.server, (key, r), c) for r, c in enumerate(chunks)])
 
 
@@ -192,7 +188,9 @@ class OneBit(ErrorFeedback):
             if not whole:
                 return total
             return self._serve(key, total, bounds, group)[lo:hi]
-        return send.numel(), finish
+        # Bytes handed to collectives, as the dense reduction counts its input (stage 0: the
+        # served chunk's all_gather too).
+        return send.numel() + (payload_bytes(max(b - a for a, b in bounds)) if whole else 0), finish
 
     def _serve(self, key: BucketKey, total: torch.Tensor, bounds: List[Tuple[int, int]],
                group: Optional[dist.ProcessGroup]) -> torch.Tensor:
