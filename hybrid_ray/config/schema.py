@@ -137,6 +137,24 @@ class Config:
             raise config_error("gradient_compression.type, fault_tolerance.mode", "not supported together yet",
                                Verbatim("'onebit' with 'replay'"), "use fault_tolerance.mode 'copy'",
                                cls=NotSupportedError)
+        why = self.onebit_momentum_obstacle()
+        if why and self.gradient_compression.form == "momentum":
+            raise config_error("gradient_compression.form", f"the momentum form cannot run with {why}",
+                               "momentum", "use form 'gradient' (or 'auto')", cls=NotSupportedError)
+
+    def onebit_momentum_obstacle(self) -> str:
+        """Why onebit's momentum form cannot run with this config ('' when it can): every rank
+        needs its whole window gradient (stages 0-1), the owner's momentum must be current when
+        the exchange reads it (no delayed update), and Adam's L2 decay would enter the gradient
+        after the momentum is formed (AdamW's decoupled decay is applied at the step)."""
+        zero = self.zero_optimization
+        if zero.stage >= 2:
+            return f"ZeRO stage {zero.stage} (stages 0-1 only)"
+        if zero.offload_optimizer.delayed_param_update:
+            return "offload_optimizer.delayed_param_update"
+        if self.optimizer.type == "Adam" and self.optimizer.params.get("weight_decay"):
+            return "Adam's weight_decay (use AdamW)"
+        return ""
 
     def _validate_replicas(self) -> None:
         split = self.tensor_model_parallel_size > 1 or self.pipeline_model_parallel_size > 1

@@ -208,6 +208,13 @@ class CompressionConfig:
     error_feedback: bool = True
     """topk, powersgd, onebit: carry the unsent remainder (fp32, per rank and bucket) into the
     next reduction."""
+    form: Literal["auto", "momentum", "gradient"] = "auto"
+    """onebit: what travels at one bit after the warm-up. momentum: each rank's momentum, as in
+    1-bit Adam (the form that stays level with dense Adam; ZeRO stages 0-1, AdamW or Adam
+    without weight_decay, no delayed_param_update; each rank's gradient is clipped by its own
+    norm before the exchange). gradient: each rank's gradient, averaged by the shard owners,
+    which works at every stage but loses more quality. auto: momentum where it can run, else
+    gradient."""
     max_quality_loss: Optional[float] = checked(0.03, ge=0)
     """auto: the driver never tries a setting whose recorded validation-loss gap against dense
     exceeds this fraction (cluster/quality_record.py); null: no limit."""

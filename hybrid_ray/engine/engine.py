@@ -8,11 +8,10 @@ A training loop reads like DeepSpeed's:
         engine.backward(loss)
         engine.step()          # acts only at the accumulation boundary
 
-The parts live elsewhere: precision.py decides dtypes per module; zero/ lays parameters out in
-flat buckets (flat.py), moves gradients into fp32 master shards (reducer.py), steps the optimizer
-and gathers parameters back (optimizer.py); loss_scaler.py scales fp16 losses; checkpoint/ saves
-and loads the TrainState; accessors.py holds the DeepSpeed-compatible getters; lifecycle.py
-close(), destroy() and `with engine:`; persistence.py the state methods (export, checkpoints, replicas).
+Elsewhere: precision.py decides dtypes per module; zero/ lays parameters out in flat buckets (flat.py),
+moves gradients into fp32 master shards (reducer.py), steps the optimizer and gathers parameters back
+(optimizer.py); loss_scaler.py scales fp16 losses; checkpoint/ saves and loads the TrainState; accessors.py
+the DeepSpeed getters; lifecycle.py close/destroy/`with`; persistence.py export, checkpoints, replicas.
 """
 from __future__ import annotations
 
@@ -136,6 +135,7 @@ class Engine(EngineLifecycle, EngineState, DeepSpeedAccessors, PipelineBatches):
                                    reduction_setup(self.config), offload)
         self.zero = ZeroOptimizer(self.spaces, self.reducer, topo)
         self.zero.norm_excluded = set(self._norm_once)
+        self.zero.step_scalars = lambda: (self._scaler.loss_scale, self.config.gradient_clipping)
         if zc.overlap_param_gather and zc.stage in (1, 2) and topo.world_size > 1:
             self.zero.gather_overlap = ParamGatherOverlap(self.module, self.spaces)
         self.stage3: Optional[stage3.Stage3Controller] = None

@@ -109,10 +109,39 @@ def test_frozen_step_needs_a_warm_up_and_an_adam():
       "optimizer": {"type": "Adam", "params": {"amsgrad": True}}}, r"amsgrad"),
     ({"gradient_compression": {"type": "onebit", "warmup_steps": 5},
       "fault_tolerance": {"replicas": 1, "mode": "replay"}}, r"'onebit' with 'replay'"),
+    ({"gradient_compression": {"type": "onebit", "warmup_steps": 5, "form": "momentum"},
+      "zero_optimization": {"stage": 2}}, r"gradient_compression\.form: .*ZeRO stage 2.*use form 'gradient'"),
+    ({"gradient_compression": {"type": "onebit", "warmup_steps": 5, "form": "momentum"},
+      "optimizer": {"type": "Adam", "params": {"weight_decay": 0.1}}}, r"gradient_compression\.form: .*weight_decay"),
+    ({"gradient_compression": {"type": "onebit", "warmup_steps": 5, "form": "momentum"},
+      "zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu", "delayed_param_update": True}}},
+     r"gradient_compression\.form: .*delayed_param_update"),
+    ({"gradient_compression": {"type": "onebit", "warmup_steps": 5, "form": "moment"}}, r"gradient_compression\.form"),
 ])
 def test_config_refuses_what_onebit_cannot_do(cfg, match):
     with pytest.raises(ConfigError, match=match):
         load_config({"train_micro_batch_size_per_gpu": 1, **cfg})
+
+
+@pytest.mark.parametrize("extra, kind", [
+    ({"zero_optimization": {"stage": 0}}, "OneBitMomentum"), ({"zero_optimization": {"stage": 1}}, "OneBitMomentum"),
+    ({"zero_optimization": {"stage": 2}}, "OneBit"), ({"zero_optimization": {"stage": 3}}, "OneBit"),
+    ({"optimizer": {"type": "Adam", "params": {"weight_decay": 0.1}}}, "OneBit"),
+    ({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu", "delayed_param_update": True}}}, "OneBit"),
+    ({"gradient_compression": {"type": "onebit", "warmup_steps": 5, "form": "gradient"}}, "OneBit")])
+def test_auto_form_is_the_momentum_form_where_it_can_run(extra, kind):
+    from hybrid_ray.engine.compression import reduction_setup
+    cfg = load_config({"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW"},
+                       "gradient_compression": {"type": "onebit", "warmup_steps": 5}, **extra})
+    assert type(reduction_setup(cfg).compressor).__name__ == kind
+
+
+def test_the_momentum_form_refuses_a_client_adam_with_l2_decay():
+    model = torch.nn.Linear(4, 2)
+    with pytest.raises(NotSupportedError, match=r"form 'momentum'.*weight_decay.*AdamW"):
+        check_freezable(torch.optim.Adam(model.parameters(), weight_decay=0.1), momentum=True)
+    check_freezable(torch.optim.AdamW(model.parameters(), weight_decay=0.1), momentum=True)
+    check_freezable(torch.optim.Adam(model.parameters(), weight_decay=0.1))  # the gradient form takes it
 
 
 def test_deepspeeds_onebitadam_is_adamw_with_onebit_compression():
@@ -153,3 +182,20 @@ def test_an_element_that_never_saw_a_gradient_is_not_moved_by_the_frozen_step():
     moved = (p.detach() - before).abs()
     assert moved[1] == 0 and moved[3] == 0 and 0 < moved[0] < 0.2 and 0 < moved[2] < 0.2
     assert opt.state[p]["exp_avg"][1] == 0 and opt.state[p]["exp_avg"][3] == 0
+
+
+def test_momentum_given_sets_the_momentum_and_steps_with_it():
+    """onebit's momentum form: .grad is the averaged momentum; the update is AdamW's with it."""
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.AdamW([p], lr=0.1, weight_decay=0.01)
+    p.grad = torch.tensor([0.5, -0.2, 0.1])
+    opt.step()
+    v = opt.state[p]["exp_avg_sq"].clone()
+    before = p.detach().clone()
+    m = torch.tensor([0.3, 0.1, -0.4])
+    p.grad = m.clone()
+    step_frozen_variance(opt, momentum_given=True)
+    assert torch.equal(opt.state[p]["exp_avg"], m) and torch.equal(opt.state[p]["exp_avg_sq"], v)
+    t = 2
+    want = before * (1 - 0.1 * 0.01) - 0.1 * (m / (1 - 0.9 ** t)) / ((v / (1 - 0.999 ** t)).sqrt() + 1e-8)
+    torch.testing.assert_close(p.detach(), want)

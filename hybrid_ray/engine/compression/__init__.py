@@ -16,12 +16,13 @@ from ..precision import dtype_of
 from .base import BucketKey, ErrorFeedback, Layout
 from .codec import PairCodec
 from .onebit import OneBit
+from .onebit_momentum import OneBitMomentum
 from .powersgd import PowerSGD
 from .stats import CommStats, StepTimer
 from .topk import TopK
 
-__all__ = ["BucketKey", "CommStats", "ErrorFeedback", "Layout", "OneBit", "PairCodec", "PowerSGD", "Reduction",
-           "StepTimer", "TopK", "build_compressor", "reduction_setup"]
+__all__ = ["BucketKey", "CommStats", "ErrorFeedback", "Layout", "OneBit", "OneBitMomentum", "PairCodec",
+           "PowerSGD", "Reduction", "StepTimer", "TopK", "build_compressor", "reduction_setup"]
 
 
 @dataclass(frozen=True)
@@ -35,14 +36,16 @@ class Reduction:
     dense_dtype: Optional[torch.dtype] = None
 
 
-def build_compressor(gc) -> Optional[ErrorFeedback]:
-    """The compressor for a `gradient_compression` section (None: a dense reduction)."""
+def build_compressor(gc, momentum_obstacle: str = "") -> Optional[ErrorFeedback]:
+    """The compressor for a `gradient_compression` section (None: a dense reduction);
+    `momentum_obstacle`: why onebit's momentum form cannot run here ('' if it can)."""
     if gc.type == "topk":
         return TopK(gc.topk_ratio, gc.warmup_steps, gc.error_feedback, PairCodec(gc.topk_values, gc.topk_indices))
     if gc.type == "powersgd":
         return PowerSGD(gc.rank, gc.warmup_steps, gc.error_feedback)
     if gc.type == "onebit":
-        return OneBit(gc.warmup_steps, gc.error_feedback)
+        momentum = gc.form == "momentum" or (gc.form == "auto" and not momentum_obstacle)
+        return (OneBitMomentum if momentum else OneBit)(gc.warmup_steps, gc.error_feedback)
     return None
 
 
@@ -55,4 +58,4 @@ def reduction_setup(config) -> Reduction:
     gc, comm_dtype = config.gradient_compression, config.communication_data_type
     dense = dtype_of(comm_dtype or "fp32")
     reduce = dtype_of(gc.type) if gc.type in ("fp16", "bf16") else dense
-    return Reduction(reduce, build_compressor(gc), dense)
+    return Reduction(reduce, build_compressor(gc, config.onebit_momentum_obstacle()), dense)

@@ -12,11 +12,15 @@ row of a token not yet seen, a padding row). A 1-bit exchange sends it +-scale l
 element, and divided by sqrt(0) + eps that is an update of ~1e8 times the learning rate: the run
 diverges (seen on the LM job). Such elements keep a zero momentum and no update once frozen, as
 DeepSpeed's `exp_avg_mask` does for rows its user names; weight decay still applies.
+
+In onebit's momentum form (compression/onebit_momentum.py) the exchange delivers the averaged
+momentum itself: `momentum_given` sets exp_avg to it instead of folding a gradient in, and
+`OptimizerMomentum` tells that exchange beta1 and this rank's momentum by bucket.
 """
 from __future__ import annotations
 
 import math
-from typing import Dict, List
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -25,31 +29,41 @@ from hybrid_ray.config.errors import NotSupportedError
 FREEZABLE = (torch.optim.Adam, torch.optim.AdamW)
 
 
-def check_freezable(optimizer: torch.optim.Optimizer) -> None:
-    """A one-line NotSupportedError unless `optimizer` is an Adam or AdamW without amsgrad."""
+def check_freezable(optimizer: torch.optim.Optimizer, momentum: bool = False) -> None:
+    """A one-line NotSupportedError unless `optimizer` is an Adam or AdamW without amsgrad (and,
+    for the momentum form, without L2 weight decay, which would enter the gradient)."""
     if not isinstance(optimizer, FREEZABLE):
         raise NotSupportedError(f"gradient_compression.type 'onebit' needs an Adam or AdamW optimizer "
                                 f"(it freezes Adam's variance), got {type(optimizer).__name__}")
     if any(g.get("amsgrad") or g.get("maximize") for g in optimizer.param_groups):
         raise NotSupportedError("gradient_compression.type 'onebit' does not support amsgrad or maximize")
+    if momentum and not _decoupled(optimizer) and any(g.get("weight_decay") for g in optimizer.param_groups):
+        raise NotSupportedError("gradient_compression.form 'momentum' does not support Adam's weight_decay "
+                                "(L2): use AdamW, or form 'gradient'")
+
+
+def _decoupled(optimizer: torch.optim.Optimizer) -> bool:
+    return isinstance(optimizer, torch.optim.AdamW) or any(
+        g.get("decoupled_weight_decay") for g in optimizer.param_groups)
 
 
 @torch.no_grad()
-def step_frozen_variance(optimizer: torch.optim.Optimizer) -> None:
+def step_frozen_variance(optimizer: torch.optim.Optimizer, momentum_given: bool = False) -> None:
     """One step of `optimizer` (Adam/AdamW) over the parameters that have a .grad, leaving each
-    parameter's exp_avg_sq as it is. Every such parameter must have stepped before (state)."""
-    decoupled = isinstance(optimizer, torch.optim.AdamW) or any(
-        g.get("decoupled_weight_decay") for g in optimizer.param_groups)
+    parameter's exp_avg_sq as it is. Every such parameter must have stepped before (state).
+    momentum_given: .grad is the new momentum (exp_avg is set to it), not a gradient."""
+    decoupled = _decoupled(optimizer)
     for group in optimizer.param_groups:
         by_device: Dict[torch.device, List[torch.Tensor]] = {}
         for p in group["params"]:
             if p.grad is not None:
                 by_device.setdefault(p.device, []).append(p)
         for params in by_device.values():
-            _step(optimizer, group, params, decoupled)
+            _step(optimizer, group, params, decoupled, momentum_given)
 
 
-def _step(optimizer: torch.optim.Optimizer, group: dict, params: List[torch.Tensor], decoupled: bool) -> None:
+def _step(optimizer: torch.optim.Optimizer, group: dict, params: List[torch.Tensor], decoupled: bool,
+          momentum_given: bool) -> None:
     states = [optimizer.state[p] for p in params]
     if any("exp_avg_sq" not in s for s in states):
         raise RuntimeError("a frozen-variance step needs the variance of earlier dense steps "
@@ -65,7 +79,10 @@ def _step(optimizer: torch.optim.Optimizer, group: dict, params: List[torch.Tens
         else:
             grads = torch._foreach_add(grads, params, alpha=wd)
     exp_avgs, exp_avg_sqs = [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states]
-    torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+    if momentum_given:
+        torch._foreach_copy_(exp_avgs, grads)
+    else:
+        torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
     for m, v in zip(exp_avgs, exp_avg_sqs):
         m.masked_fill_(v == 0, 0.0)  # never saw a gradient in the warm-up: no 1-bit update
     t = float(steps[0])  # the same for every parameter of a group stepped together
@@ -73,3 +90,28 @@ def _step(optimizer: torch.optim.Optimizer, group: dict, params: List[torch.Tens
     torch._foreach_div_(denom, math.sqrt(1 - beta2 ** t))
     torch._foreach_add_(denom, eps)
     torch._foreach_addcdiv_(params, exp_avgs, denom, -lr / (1 - beta1 ** t))
+
+
+class OptimizerMomentum:
+    """The optimizer side of onebit's momentum exchange (its MomentumSource): beta1 and this
+    rank's momentum of a bucket's elements, found through the reducer's shard offsets."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, masters: List[torch.Tensor], reducer,
+                 step_scalars: Callable[[], Tuple[float, float]]):
+        self.optimizer, self.masters, self.reducer = optimizer, masters, reducer
+        self.step_scalars = step_scalars
+        self._group = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+
+    def beta1(self, key: Tuple[int, int]) -> float:
+        return float(self._group[id(self.masters[key[0]])]["betas"][0])
+
+    def owned_momentum(self, key: Tuple[int, int], begin: int, end: int) -> Optional[torch.Tensor]:
+        space, bucket = key
+        grads = self.reducer.grads[space]
+        b = grads.space.buckets[bucket]
+        lo, _ = b.shard_range(grads.space.rank, grads.space.num_shards)
+        exp_avg = self.optimizer.state.get(self.masters[space], {}).get("exp_avg")
+        if exp_avg is None:
+            return None
+        start = grads.shard_offset[bucket] + b.start + begin - lo
+        return exp_avg[start:start + end - begin]

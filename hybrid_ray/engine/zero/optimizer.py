@@ -20,14 +20,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import partial
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from .. import comm
 from .flat import FlatSpace
-from .frozen import check_freezable, step_frozen_variance
+from .frozen import OptimizerMomentum, check_freezable, step_frozen_variance
 from .offload import frozen_hyperparameters
 from .overlap import ParamGatherOverlap
 from .reducer import GradReducer
@@ -50,7 +50,7 @@ class Update:
     grads: List[torch.Tensor]  # the reduced master gradients, per space, still scaled
     coef: float  # what unscales and clips them
     optimizer: torch.optim.Optimizer  # a view with the step's hyperparameters frozen
-    frozen: bool = False  # 1-bit compression: the variance stays as the warm-up left it
+    frozen: str = ""  # 1-bit: "variance" (frozen) or "momentum" (frozen, the grads are the momentum)
 
 
 class ZeroOptimizer:
@@ -75,22 +75,33 @@ class ZeroOptimizer:
         self._sources: Optional[List[torch.Tensor]] = None
         # overlap_param_gather: the engine sets this; write_back then leaves the gathers to it.
         self.gather_overlap: Optional[ParamGatherOverlap] = None
+        # (loss scale, gradient_clipping) of the backward in progress: the engine sets this; the
+        # 1-bit momentum exchange clips each rank's own gradient before it sends.
+        self.step_scalars: Callable[[], Tuple[float, float]] = lambda: (1.0, 0.0)
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """The torch optimizer over the masters (built by the engine from config or the client's)."""
         self.check_compressor(self.reducer.compressor, optimizer)
         self.optimizer = optimizer
+        self._bind(self.reducer.compressor)
 
     def set_compression(self, reduction) -> None:
         """The reducer's new Reduction, once the optimizer can run with it (1-bit: Adam only)."""
         self.check_compressor(reduction.compressor, self.optimizer)
+        self._bind(reduction.compressor)
         self.reducer.set_compression(reduction)
 
     @staticmethod
     def check_compressor(compressor: object, optimizer: torch.optim.Optimizer) -> None:
         """A compressor that freezes Adam's variance (1-bit) needs an Adam or AdamW."""
         if hasattr(compressor, "freezes_variance"):
-            check_freezable(optimizer)
+            check_freezable(optimizer, getattr(compressor, "sends_momentum", False))
+
+    def _bind(self, compressor: object) -> None:
+        """The 1-bit momentum exchange reads beta1 and this rank's momentum from the optimizer."""
+        if getattr(compressor, "sends_momentum", False) and self.optimizer is not None:
+            compressor.source = OptimizerMomentum(self.optimizer, self.masters, self.reducer,
+                                                  lambda: self.step_scalars())
 
     @property
     def master_device(self) -> torch.device:
@@ -186,7 +197,8 @@ class ZeroOptimizer:
         if not math.isfinite(grad_norm):
             return StepOutcome(applied=False, overflow=True, grad_norm=grad_norm), 0.0
         coef = 1.0 / divisor
-        if clip > 0 and grad_norm > clip:
+        # A 1-bit momentum step's "gradients" are the momentum, its ranks clipped before sending.
+        if clip > 0 and grad_norm > clip and self._frozen_variance() != "momentum":
             coef *= clip / (grad_norm + 1e-6)
         return StepOutcome(applied=True, overflow=False, grad_norm=grad_norm), coef
 
@@ -204,14 +216,17 @@ class ZeroOptimizer:
             self.write_back()
         return outcome
 
-    def _frozen_variance(self) -> bool:
-        """Whether this step's gradients came through a 1-bit exchange (decided before the
-        compressor's on_step advances it)."""
+    def _frozen_variance(self) -> str:
+        """"variance" when this step's gradients came through a 1-bit exchange, "momentum" when
+        that exchange delivered the momentum itself, else "" (decided before the compressor's
+        on_step advances it)."""
         c = self.reducer.compressor
-        return c is not None and self.reducer.distributed and getattr(c, "freezes_variance", False)
+        if c is None or not self.reducer.distributed or not getattr(c, "freezes_variance", False):
+            return ""
+        return "momentum" if getattr(c, "sends_momentum", False) else "variance"
 
     def _update(self, grads: List[torch.Tensor], coef: float, optimizer: torch.optim.Optimizer,
-                frozen: bool = False) -> None:
+                frozen: str = "") -> None:
         """Unscale and clip the gradients, step the optimizer (in the DPU thread: no collectives)."""
         if self.offload is not None:
             self.offload.wait_uploads()  # a pinned master may still be the source of an upload
@@ -317,7 +332,7 @@ class ZeroOptimizer:
 
 
 def step_masters(masters: List[torch.Tensor], grads: List[torch.Tensor], coef: float,
-                 optimizer: torch.optim.Optimizer, frozen: bool = False) -> None:
+                 optimizer: torch.optim.Optimizer, frozen: str = "") -> None:
     """Scale the gradients by `coef` (unscale and clip, in place) and step `optimizer` over the
     masters with them (`frozen`: Adam's variance left as it is, frozen.py). Replicas in replay
     mode step a buddy's copy with this same function, so that copy and shard stay bitwise equal
@@ -327,7 +342,7 @@ def step_masters(masters: List[torch.Tensor], grads: List[torch.Tensor], coef: f
     for master, grad in zip(masters, grads):
         master.grad = grad
     try:
-        step_frozen_variance(optimizer) if frozen else optimizer.step()
+        step_frozen_variance(optimizer, frozen == "momentum") if frozen else optimizer.step()
     finally:
         for master in masters:
             master.grad = None

@@ -1,0 +1,192 @@
+"""1-bit Adam in the paper's form: each rank's *momentum* travels at one bit, not its gradient.
+
+After the warm-up every rank holds the same averaged momentum M of the previous step (the
+decoded result of the last exchange, kept as its wire bytes: one bit per element). Rank r
+sends owner j its chunk of
+
+    x_r = beta1 * M / W + (1 - beta1) * c_r * g_r   (+ its worker residual)
+
+at one bit and one scale; the owner sums the decoded chunks (that sum is beta1 * M + (1 -
+beta1) * sum_r c_r g_r, the next momentum, compressed), adds its server residual and sends its
+chunk of the result back to everyone at one bit (one all_to_all, one all_gather). Every rank then
+holds the same new M; the owner's optimizer *sets* its momentum to its slice of M (frozen.py,
+momentum given) instead of folding a gradient into it. Compressing the momentum is what keeps
+1-bit Adam level with dense Adam: the momentum changes slowly, so its signs mostly repeat and the
+residuals stay small, where a gradient's signs are mostly noise (the quality study: level with
+dense at 600 steps, where the gradient form lost 5-9%).
+
+Clipping has to happen before the exchange, on each rank's own gradient (c_r, from its local
+norm, as DeepSpeed's 1-bit Adam clips what each rank holds): the sum that arrives is a
+momentum, whose norm says nothing about the step's gradient. So the exchange waits for the
+whole backward (every bucket's gradient for the local norm) and runs at the first finish().
+
+M is kept in the reducer's units (loss-scaled sums over ranks) and rescaled with the loss
+scale. It is not checkpointed: when a rank has no M (the first compressed step, or after a
+resume at any world size) the owners add beta1 times their optimizer's momentum slice instead,
+which is the same quantity, exactly. Because every rank needs all of M, this form costs the
+all_gather at stages 1-2 too, and it needs each rank's whole window gradient: stages 0 and 1.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Dict, List, Optional, Protocol, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .. import comm
+from .base import BucketKey, Layout
+from .onebit import OneBit, _bounds, decode, encode, payload_bytes
+
+
+class MomentumSource(Protocol):
+    """What the optimizer side tells the exchange (zero/optimizer.py implements it)."""
+
+    def beta1(self, key: BucketKey) -> float: ...
+
+    def owned_momentum(self, key: BucketKey, begin: int, end: int) -> Optional[torch.Tensor]:
+        """This rank's optimizer momentum of bucket elements [begin, end) (unscaled mean
+        units, on any device), or None before the optimizer has state."""
+
+    def step_scalars(self) -> Tuple[float, float]:
+        """(the loss scale of the backward being reduced, gradient_clipping)."""
+
+
+_Stashed = Tuple[BucketKey, torch.Tensor, int, int, Optional[dist.ProcessGroup]]
+
+
+class OneBitMomentum(OneBit):
+    """OneBit's warm-up, then the momentum exchange above (ZeRO stages 0 and 1)."""
+
+    sends_momentum = True
+
+    def __init__(self, warmup_steps: int, error_feedback: bool = True):
+        super().__init__(warmup_steps, error_feedback)
+        self.source: Optional[MomentumSource] = None  # bound by the ZeroOptimizer
+        self.shared: Dict[BucketKey, torch.Tensor] = {}  # M of the last applied step: wire rows
+        self._next: Dict[BucketKey, torch.Tensor] = {}  # this step's, kept if the step applies
+        self._stash: List[_Stashed] = []
+        self._results: Dict[BucketKey, torch.Tensor] = {}
+
+    def on_step(self, overflow: bool, scale_ratio: float) -> None:
+        super().on_step(overflow, scale_ratio)
+        if not overflow:  # a skipped step left every optimizer's momentum as it was
+            self.shared.update(self._next)
+        self._next = {}
+        if scale_ratio != 1.0:
+            for rows in self.shared.values():
+                rows.view(torch.float32)[:, 0].mul_(scale_ratio)  # each row's leading fp32 scale
+
+    def exchange(self, key: BucketKey, grad: torch.Tensor, lo: int, hi: int,
+                 group: Optional[dist.ProcessGroup], layout: Optional[Layout] = None
+                 ) -> Tuple[int, Callable[[], torch.Tensor]]:
+        if self.step < self.warmup_steps:
+            return super().exchange(key, grad, lo, hi, group, layout)
+        if self.source is None:
+            raise RuntimeError("onebit momentum form: no optimizer bound to the exchange")
+        world, me = dist.get_world_size(group), dist.get_rank(group)
+        bounds = _bounds(grad.numel(), world)
+        if hi - lo != grad.numel() and bounds[me] != (lo, hi):
+            raise ValueError(f"onebit: rank {me} keeps [{lo}, {hi}) of a {grad.numel()}-element bucket, "
+                             f"expected the equal slice {bounds[me]}")
+        with self.timer.span("compress"):
+            self._stash.append((key, grad.to(torch.float32, copy=True), lo, hi, group))
+        # Bytes handed to collectives, as the dense reduction counts its input: the chunks for
+        # the owners, then this rank's served row.
+        sent = sum(payload_bytes(b - a) for a, b in bounds) + _row_width(bounds)
+
+        def finish() -> torch.Tensor:
+            if key not in self._results:
+                self._exchange_stashed()
+            return self._results.pop(key)
+        return sent, finish
+
+    def _exchange_stashed(self) -> None:
+        """Every stashed bucket of this backward: clip by the local norm, both levels, decode."""
+        stash, self._stash = self._stash, []
+        loss_scale, clip = self.source.step_scalars()
+        coef = 1.0
+        if clip > 0 and stash:
+            with self.timer.span("compress"):
+                local = math.sqrt(sum(float(acc.double().square().sum()) for _, acc, *_ in stash)) / loss_scale
+            coef = min(1.0, clip / (local + 1e-6)) if math.isfinite(local) else 1.0  # inf stays inf: overflow
+        # Every bucket's worker level is in flight before the first owner waits on its own.
+        workers = [self._send_chunks(key, acc, group, coef) for key, acc, _, _, group in stash]
+        served = [self._serve_chunk(key, acc.numel(), group, sent, loss_scale)
+                  for (key, acc, _, _, group), sent in zip(stash, workers)]
+        for (key, acc, lo, hi, group), (rows, work) in zip(stash, served):
+            self.timer.wait(work)
+            self._next[key] = rows
+            bounds = _bounds(acc.numel(), dist.get_world_size(group))
+            with self.timer.span("compress"):
+                self._results[key] = _decode_rows(rows, bounds, lo, hi)
+
+    def _send_chunks(self, key: BucketKey, acc: torch.Tensor, group, coef: float):
+        """Worker level: x_r's chunk for every owner at one bit, in one all_to_all."""
+        world = dist.get_world_size(group)
+        bounds = _bounds(acc.numel(), world)
+        beta1 = self.source.beta1(key)
+        with self.timer.span("compress"):
+            x = acc.mul_((1 - beta1) * coef)
+            prev = self.shared.get(key)
+            if prev is not None:
+                x.add_(_decode_rows(prev, bounds), alpha=beta1 / world)
+            residual = self.residuals.pop(key, None)
+            if residual is not None:
+                x.add_(residual)
+            payloads = []
+            for a, b in bounds:
+                payload, sent = encode(x[a:b])
+                x[a:b].sub_(sent)
+                payloads.append(payload)
+            if self.error_feedback:
+                self.residuals[key] = x
+        me = dist.get_rank(group)
+        mine = payload_bytes(bounds[me][1] - bounds[me][0])
+        recv = torch.empty(world * mine, dtype=torch.uint8, device=acc.device)
+        send = torch.cat(payloads)
+        work = dist.all_to_all_single(recv, send, [mine] * world, [p.numel() for p in payloads],
+                                      group=group, async_op=True)
+        return recv, send, work
+
+    def _serve_chunk(self, key: BucketKey, numel: int, group, worker, loss_scale: float):
+        """Server level: this rank's chunk of the new momentum, sent to all at one bit."""
+        recv, _send, work = worker  # the send buffer is held until the collective is done
+        self.timer.wait(work)
+        world, me = dist.get_world_size(group), dist.get_rank(group)
+        bounds = _bounds(numel, world)
+        a, b = bounds[me]
+        mine = payload_bytes(b - a)
+        with self.timer.span("compress"):
+            total = sum(decode(row, b - a) for row in recv.view(world, mine))
+            if key not in self.shared:  # no M here: the owner adds beta1 * its own momentum
+                owned = self.source.owned_momentum(key, a, b)
+                if owned is not None:
+                    beta1 = self.source.beta1(key)
+                    total.add_(owned.to(total.device, torch.float32), alpha=beta1 * loss_scale * world)
+            residual = self.server.get(key)
+            if residual is not None:
+                total.add_(residual)
+            payload, sent = encode(total)
+            if self.error_feedback:
+                self.server[key] = total.sub_(sent)
+            width = _row_width(bounds)
+            padded = torch.zeros(width, dtype=torch.uint8, device=total.device)
+            padded[:payload.numel()] = payload
+        rows = torch.empty(world * width, dtype=torch.uint8, device=total.device)
+        return rows.view(world, width), comm.all_gather(rows, padded, group=group, async_op=True)
+
+
+def _row_width(bounds: List[Tuple[int, int]]) -> int:
+    """Bytes per served row: the largest chunk's payload, rounded up to whole fp32 words so that
+    each row's leading scale can be read (and rescaled) in place."""
+    return -(-payload_bytes(max(b - a for a, b in bounds)) // 4) * 4
+
+
+def _decode_rows(rows: torch.Tensor, bounds: List[Tuple[int, int]], lo: int = 0,
+                 hi: Optional[int] = None) -> torch.Tensor:
+    """Elements [lo, hi) of the momentum the served rows encode (only the rows that cover them)."""
+    hi = bounds[-1][1] if hi is None else hi
+    parts = [decode(row, b - a)[max(lo, a) - a:min(hi, b) - a]
+             for row, (a, b) in zip(rows, bounds) if a < hi and b > lo]
+    return torch.cat(parts) if len(parts) > 1 else parts[0]

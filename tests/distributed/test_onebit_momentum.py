@@ -1,0 +1,218 @@
+"""onebit's momentum form (compression/onebit_momentum.py) on 2 gloo ranks.
+
+The exchange against an in-process reference of 1-bit Adam's two-level momentum average built
+from the same codec (seeded from the optimizer's momentum, then carrying its own; each rank's
+gradient clipped by its own norm across every bucket; error feedback at both levels), and the
+engine at stages 0 and 1: "auto" picks this form, the optimizer's momentum is the decoded
+average every rank holds, ranks stay equal, an fp16 overflow after the warm-up keeps the last
+average, and the gradient form is still there when asked for.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+from hybrid_ray.engine import Engine, Topology
+from hybrid_ray.engine.compression.onebit import OneBit, _bounds, decode, encode
+from hybrid_ray.engine.compression.onebit_momentum import OneBitMomentum, _decode_rows
+from tests.distributed import spawn
+from tests.distributed.test_compression import full_params, model
+from tests.distributed.test_onebit import MICRO, batch
+
+pytestmark = [pytest.mark.dist]
+
+WORLD, BETA, WARMUP, STEPS = 2, 0.9, 2, 6
+SEED = torch.randn(1001, generator=torch.Generator().manual_seed(7))  # the optimizer's momentum
+# (bucket sizes, whole buckets (stage 0) or slices, gradient_clipping, loss scale)
+CASES = {"slice": ([1000, 300], False, 0.0, 1.0), "whole": ([1001, 301], True, 0.0, 1.0),
+         "clipped": ([1000, 300], False, 0.5, 8.0)}
+
+
+class FixedSource:
+    """A MomentumSource whose optimizer momentum is SEED at every bucket."""
+
+    def __init__(self, clip: float, scale: float):
+        self.clip, self.scale = clip, scale
+
+    def beta1(self, key) -> float:
+        return BETA
+
+    def owned_momentum(self, key, begin: int, end: int) -> torch.Tensor:
+        return SEED[begin:end]
+
+    def step_scalars(self):
+        return self.scale, self.clip
+
+
+def grads_of(rank: int, step: int, bucket: int, numel: int, scale: float) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * step + 10 * bucket + rank)
+    return torch.randn(numel, generator=g) * scale
+
+
+def exchange_run(rank: int) -> dict:
+    out = {}
+    for name, (sizes, whole, clip, scale) in CASES.items():
+        c = OneBitMomentum(warmup_steps=0)
+        c.source = FixedSource(clip, scale)
+        got, sent = [], 0
+        for step in range(3):
+            finishes = []
+            for k, n in enumerate(sizes):
+                lo, hi = (0, n) if whole else (rank * n // 2, (rank + 1) * n // 2)
+                sent, finish = c.exchange((0, k), grads_of(rank, step, k, n, scale), lo, hi, None)
+                finishes.append(finish)
+            got.append([f() for f in finishes])
+            c.on_step(False, 1.0)
+        out[name] = {"got": got, "sent": sent}
+    return out
+
+
+def reference(sizes, whole: bool, clip: float, scale: float, steps: int = 3) -> list:
+    """What each rank should receive: result[step][rank][bucket]."""
+    shared, worker, server, results = {}, {}, {}, []
+    for step in range(steps):
+        grads = [[grads_of(r, step, k, n, scale) for k, n in enumerate(sizes)] for r in range(WORLD)]
+        coefs = []
+        for r in range(WORLD):
+            local = math.sqrt(sum(float(g.double().square().sum()) for g in grads[r])) / scale
+            coefs.append(min(1.0, clip / (local + 1e-6)) if clip > 0 else 1.0)
+        new = {}
+        for k, n in enumerate(sizes):
+            bounds = _bounds(n, WORLD)
+            decoded = [[None] * WORLD for _ in range(WORLD)]  # [sender][owner]
+            for r in range(WORLD):
+                x = grads[r][k].clone().mul_((1 - BETA) * coefs[r])
+                if k in shared:
+                    x.add_(shared[k], alpha=BETA / WORLD)
+                if (k, r) in worker:
+                    x.add_(worker[(k, r)])
+                for j, (a, b) in enumerate(bounds):
+                    payload, sent = encode(x[a:b])
+                    x[a:b].sub_(sent)
+                    decoded[r][j] = decode(payload, b - a)
+                worker[(k, r)] = x
+            parts = []
+            for j, (a, b) in enumerate(bounds):
+                total = sum(decoded[r][j] for r in range(WORLD))
+                if k not in shared:
+                    total.add_(SEED[a:b], alpha=BETA * scale * WORLD)
+                if (k, j) in server:
+                    total.add_(server[(k, j)])
+                payload, sent = encode(total)
+                server[(k, j)] = total.sub_(sent)
+                parts.append(decode(payload, b - a))
+            new[k] = torch.cat(parts)
+        shared = new
+        results.append([[shared[k] if whole else shared[k][r * n // 2:(r + 1) * n // 2]
+                         for k, n in enumerate(sizes)] for r in range(WORLD)])
+    return results
+
+
+def make_engine(stage: int, form: str = "auto", fp16: bool = False) -> Engine:
+    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": 1.0,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+           "gradient_compression": {"type": "onebit", "warmup_steps": WARMUP, "form": form},
+           "zero_optimization": {"stage": stage, "reduce_bucket_size": 1500}}
+    if fp16:
+        cfg["fp16"] = {"enabled": True, "hysteresis": 1, "initial_scale_power": 8}
+    return Engine(model(), cfg, topology=Topology.from_environment())
+
+
+def held_momentum(engine: Engine) -> list:
+    """(the optimizer's momentum, the decoded shared average * the unscale factor) over this
+    rank's elements of every bucket, where the variance is not zero."""
+    c, out = engine.reducer.compressor, []
+    coef = 1.0 / engine.zero.grad_divisor(engine.zero.step_scalars()[0])
+    for key, rows in sorted(c.shared.items()):
+        g = engine.reducer.grads[key[0]]
+        b = g.space.buckets[key[1]]
+        lo, hi = b.shard_range(g.space.rank, g.space.num_shards)
+        held = c.source.owned_momentum(key, lo - b.start, hi - b.start)
+        avg = _decode_rows(rows, _bounds(b.numel, WORLD), lo - b.start, hi - b.start) * coef
+        state = engine.optimizer.state[engine.zero.masters[key[0]]]
+        off = g.shard_offset[key[1]]
+        nonzero = state["exp_avg_sq"][off:off + hi - lo] != 0
+        out.append((held[nonzero].clone(), avg[nonzero]))
+    return out
+
+
+def train(rank: int, stage: int, form: str = "auto", fp16: bool = False, poisoned: int = -1) -> dict:
+    engine = make_engine(stage, form, fp16)
+    record = []
+    for step in range(STEPS):
+        x, y = batch(step, rank)
+        loss = nn.functional.mse_loss(engine(x), y)
+        engine.backward(loss * float("inf") if (step == poisoned and rank == 1) else loss)
+        engine.step()
+        c = engine.reducer.compressor
+        record.append({"loss": float(loss), "skipped": engine.skipped_steps,
+                       "shared": {k: v.clone() for k, v in getattr(c, "shared", {}).items()},
+                       "held": held_momentum(engine) if hasattr(c, "shared") else [],
+                       "ratio": engine.compression_stats()["ratio"]})
+    out = {"record": record, "params": full_params(engine), "kind": type(engine.reducer.compressor).__name__}
+    engine.close()
+    return out
+
+
+def run_all(rank: int, world: int, out: str) -> None:
+    res = {"exchange": exchange_run(rank)}
+    for stage in (0, 1):
+        res[stage] = {"auto": train(rank, stage), "gradient": train(rank, stage, "gradient")}
+    res["fp16"] = train(rank, 1, fp16=True, poisoned=WARMUP + 1)
+    torch.save(res, Path(out) / f"rank{rank}.pt")
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("onebit_momentum")
+    spawn.run(run_all, WORLD, str(out), timeout_s=240)
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_exchange_equals_the_two_level_momentum_reference(results, case):
+    sizes, whole, clip, scale = CASES[case]
+    want = reference(sizes, whole, clip, scale)
+    for r, res in enumerate(results):
+        for step, got in enumerate(res["exchange"][case]["got"]):
+            for k, t in enumerate(got):
+                assert torch.equal(t, want[step][r][k]), (case, step, r, k)
+    # bytes handed to collectives for the last bucket: each owner's chunk and the served row
+    n = sizes[-1]
+    assert results[0]["exchange"][case]["sent"] == 2 * ((n // 2 + 7) // 8 + 4) + -(-((n // 2 + 7) // 8 + 4) // 4) * 4
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_auto_picks_the_momentum_form_and_the_optimizer_holds_the_shared_average(results, stage):
+    for res in results:
+        auto = res[stage]["auto"]
+        assert auto["kind"] == "OneBitMomentum" and res[stage]["gradient"]["kind"] == "OneBit"
+        for rec in auto["record"][WARMUP:]:
+            assert rec["held"]
+            for held, avg in rec["held"]:
+                torch.testing.assert_close(held, avg, rtol=1e-6, atol=0)
+        assert auto["record"][-1]["ratio"] >= 20
+    for form in ("auto", "gradient"):
+        for a, b in zip(results[0][stage][form]["params"], results[1][stage][form]["params"]):
+            assert torch.equal(a, b)
+        losses = [r["loss"] for r in results[0][stage][form]["record"]]
+        assert losses[-1] < losses[0], (form, losses)
+
+
+def test_an_overflow_after_the_warm_up_keeps_the_last_average(results):
+    for res in results:
+        rec = res["fp16"]["record"]
+        poisoned = WARMUP + 1
+        assert [r["skipped"] for r in rec] == [0] * poisoned + [1] * (STEPS - poisoned)
+        before, after = rec[poisoned - 1]["shared"], rec[poisoned]["shared"]
+        assert before and before.keys() == after.keys()
+        for k in before:  # the same bits; the scale follows the halved loss scale
+            assert torch.equal(before[k][:, 4:], after[k][:, 4:])
+            torch.testing.assert_close(after[k].view(torch.float32)[:, 0], before[k].view(torch.float32)[:, 0] / 2)
+        assert rec[-1]["shared"].keys() == before.keys()
+    for a, b in zip(results[0]["fp16"]["params"], results[1]["fp16"]["params"]):
+        assert torch.equal(a, b) and bool(torch.isfinite(a).all())
