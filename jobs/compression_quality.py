@@ -15,8 +15,12 @@ warm-up 3.2% against 3.9%.
     python jobs/compression_quality.py --config jobs/configs/quality.json \
         --variant dense --variant topk:0.01:200 --variant topk:0.05:100 [--steps 3000] [--seeds 3]
 
-A variant is `dense` or `topk:RATIO:WARMUP_STEPS[:VALUES[:INDICES]]` (VALUES fp32, bf16 or int8;
-INDICES int32 or block16: gradient_compression.topk_values / topk_indices). Prints one row per variant (mean over seeds,
+A variant is `dense`, `topk:RATIO:WARMUP_STEPS[:VALUES[:INDICES]]` (VALUES fp32, bf16 or int8;
+INDICES int32 or block16: gradient_compression.topk_values / topk_indices), 1-bit Adam
+`onebit:WARMUP[:BLOCK]` (momentum form), `onebit-grad:WARMUP[:BLOCK]` (gradient form) or
+`onebit-pre:WARMUP[:BLOCK]` (momentum form, sent divided by the frozen sqrt(variance)), BLOCK
+giving a scale per that many elements instead of one per chunk, or `frozen:WARMUP` (AdamW whose
+variance freezes after WARMUP steps, gradients exact: what the freeze costs without compression). Prints one row per variant (mean over seeds,
 and the seeds' range) with the gap to dense and the byte ratio after the warm-up and over the
 whole run, and appends the rows as JSON to benchmarks/runs/<date>-quality-<steps>x<ranks>.jsonl
 (or --out) with the corpus they were measured on (sources, bytes, tokens, sha256).
@@ -62,10 +66,12 @@ class Variant:
     ratio: Optional[float] = None  # top-k density; None: dense or onebit
     warmup: int = 0
     codec: PairCodec = PairCodec()
-    onebit: str = ""  # 1-bit Adam after `warmup` AdamW steps: "momentum" (the paper's) or "grad" (ZeRO's)
+    onebit: str = ""  # 1-bit Adam after `warmup` AdamW steps: "momentum" (the paper's) or "grad" (ZeRO's);
+    # "none": the variance frozen the same way, gradients averaged exactly (what the freeze alone costs)
+    block: int = 0  # 1-bit: one scale per `block` elements (0: one per owner's chunk, as the engine)
 
 
-ONEBIT = {"onebit": "momentum", "onebit-grad": "grad"}
+ONEBIT = {"onebit": "momentum", "onebit-grad": "grad", "onebit-pre": "preconditioned", "frozen": "none"}
 
 
 def parse_variant(text: str) -> Variant:
@@ -73,8 +79,10 @@ def parse_variant(text: str) -> Variant:
     if text == "dense":
         return Variant("dense")
     parts = text.split(":")
-    if parts[0] in ONEBIT and len(parts) == 2 and parts[1].isdigit() and int(parts[1]) > 0:
-        return Variant(text, warmup=int(parts[1]), onebit=ONEBIT[parts[0]])
+    if parts[0] in ONEBIT and len(parts) in (2, 3) and all(p.isdigit() for p in parts[1:]) and int(parts[1]) > 0 \
+            and (len(parts) == 2 or (parts[0] != "frozen" and int(parts[2]) >= 32)):
+        return Variant(text, warmup=int(parts[1]), onebit=ONEBIT[parts[0]],
+                       block=int(parts[2]) if len(parts) == 3 else 0)
     try:
         if parts[0] != "topk" or not 3 <= len(parts) <= 5:
             raise ValueError
@@ -86,8 +94,8 @@ def parse_variant(text: str) -> Variant:
     except ValueError:
         raise SystemExit(f"--variant {text!r}: expected 'dense', 'topk:RATIO:WARMUP[:VALUES[:INDICES]]' "
                          "(0 < RATIO <= 1, WARMUP >= 0, VALUES fp32|bf16|int8, INDICES int32|block16) "
-                         "or 'onebit[-grad]:WARMUP' (WARMUP > 0), e.g. topk:0.01:200, "
-                         "topk:0.05:100:int8:block16 or onebit:200")
+                         "'onebit[-grad]:WARMUP[:BLOCK]' or 'frozen:WARMUP' (WARMUP > 0, BLOCK >= 32), e.g. "
+                         "topk:0.01:200, topk:0.05:100:int8:block16, onebit:200 or onebit:200:256")
     return Variant(text, ratio, warmup, codec)
 
 
@@ -141,7 +149,7 @@ def run_onebit(job: Job, variant: Variant, steps: int, seed: int, ranks: int, da
     e = job.engine
     model, opt, sched, buckets, windows = start(job, steps, seed, ranks, data, allow_repeat)
     beta1 = opt.param_groups[0]["betas"][0]
-    avg = SignAverage(ranks)
+    avg = SignAverage(ranks, variant.block)
     momentum = variance = None
     sent = dense_bytes = 0
     for step in range(steps):
@@ -158,11 +166,12 @@ def run_onebit(job: Job, variant: Variant, steps: int, seed: int, ranks: int, da
             if momentum is None:  # freeze: the optimizer's moments, one flat tensor per bucket
                 momentum, variance = ([torch.cat([opt.state[p][k].reshape(-1) for p in b]) for b in buckets]
                                       for k in ("exp_avg", "exp_avg_sq"))
-            momentum = _onebit_momentum(variant.onebit, avg, momentum, grads, beta1, e.gradient_clipping)
+            momentum = _onebit_momentum(variant.onebit, avg, momentum, grads, beta1, e.gradient_clipping, variance)
             # A rank sends 2(W-1)/W of the tensor at one bit (its chunks to their owners, and in
             # the momentum form the served chunk back), as a dense ring all-reduce sends 2(W-1)/W
             # of it at fp32: at two ranks, n/8 bytes against the n*4 the dense baseline counts.
-            sent += sum(payload_bytes(m.numel()) for m in momentum) * ranks
+            sent += dense if variant.onebit == "none" else \
+                sum(payload_bytes(m.numel(), variant.block) for m in momentum) * ranks
             _frozen_step(opt, buckets, momentum, variance, step + 1)
         if sched is not None:
             sched.step()
@@ -174,13 +183,26 @@ def run_onebit(job: Job, variant: Variant, steps: int, seed: int, ranks: int, da
 
 
 def _onebit_momentum(form: str, avg: SignAverage, momentum: List[torch.Tensor], grads: List[List[torch.Tensor]],
-                     beta1: float, clip: float) -> List[torch.Tensor]:
-    """The next momentum, one flat tensor per bucket, from each rank's bucket gradients."""
-    if form == "momentum":
+                     beta1: float, clip: float, variance: List[torch.Tensor]) -> List[torch.Tensor]:
+    """The next momentum, one flat tensor per bucket, from each rank's bucket gradients.
+    "preconditioned": the momentum form with each element divided by its frozen sqrt(variance)
+    before the exchange and multiplied back after, so that one bit's error is even across the
+    update rather than across the momentum (elements that saw no gradient send 0)."""
+    if form in ("momentum", "preconditioned"):
         grads = [_clipped(gs, clip) for gs in grads] if clip > 0 else grads
-        return [avg.average(key, [beta1 * m + (1 - beta1) * g[key] for g in grads])
-                for key, m in enumerate(momentum)]
-    mean = [avg.reduce(key, [g[key] for g in grads]) for key in range(len(momentum))]
+        out = []
+        for key, (m, v) in enumerate(zip(momentum, variance)):
+            sent = [beta1 * m + (1 - beta1) * g[key] for g in grads]
+            if form == "momentum":
+                out.append(avg.average(key, sent))
+                continue
+            d = v.sqrt()
+            unseen = d == 0
+            d.masked_fill_(unseen, 1.0)
+            out.append(avg.average(key, [x.div(d).masked_fill_(unseen, 0.0) for x in sent]).mul_(d))
+        return out
+    per_key = [[g[key] for g in grads] for key in range(len(momentum))]
+    mean = [torch.stack(gs).mean(0) if form == "none" else avg.reduce(key, gs) for key, gs in enumerate(per_key)]
     mean = _clipped(mean, clip) if clip > 0 else mean
     return [beta1 * m + (1 - beta1) * g for m, g in zip(momentum, mean)]
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -64,7 +65,8 @@ def test_no_window_is_seen_twice_unless_allowed():
 
 @pytest.mark.parametrize("bad", ["topk", "topk:0:10", "topk:0.01", "powersgd:4:0", "topk:x:1",
                                  "topk:0.1:0:int4", "topk:0.1:0:int8:int16",
-                                 "onebit", "onebit:0", "onebit:x", "onebit:5:1"])
+                                 "onebit", "onebit:0", "onebit:x", "onebit:5:1", "onebit:5:x", "frozen:0",
+                                 "frozen:5:256", "onebit-grad:5:16:2"])
 def test_bad_variant_is_one_line(bad):
     with pytest.raises(SystemExit, match=r"^--variant .*expected 'dense', 'topk:RATIO:WARMUP"):
         load_study().parse_variant(bad)
@@ -102,3 +104,18 @@ def test_onebit_adam_equals_dense_during_its_warm_up_then_sends_one_bit(job_file
     assert 28 < res["onebit:1"]["bytes_ratio_after_warmup"] <= 32
     assert res["onebit-grad:1"]["val_loss"] not in (res["dense"]["val_loss"], res["onebit:1"]["val_loss"])
     assert 28 < res["onebit-grad:1"]["bytes_ratio_after_warmup"] <= 32
+
+
+def test_the_freeze_alone_finer_scales_and_preconditioning_are_variants_too(job_file, tmp_path):
+    """frozen:W: the variance frozen after W steps with exact gradients (dense bytes); onebit:W:B:
+    a scale per B elements, counted in the bytes (1/8 + 4/B bytes per element)."""
+    rows = load_study().main(["--config", str(job_file), "--steps", "3", "--device", "cpu", "--seeds", "1",
+                              "--variant", "frozen:1", "--variant", "onebit:1", "--variant", "onebit:1:64",
+                              "--variant", "onebit-pre:1", "--out", str(tmp_path / "q.jsonl")])
+    res = {r["variant"]: r for r in rows}
+    assert res["frozen:1"]["bytes_ratio_after_warmup"] == 1.0
+    assert 28 < res["onebit-pre:1"]["bytes_ratio_after_warmup"] <= 32
+    names = ("dense", "frozen:1", "onebit:1", "onebit:1:64", "onebit-pre:1")
+    assert len({res[v]["val_loss"][0] for v in names}) == len(names)
+    assert all(math.isfinite(res[v]["val_loss"][0]) for v in names)
+    assert 20 < res["onebit:1:64"]["bytes_ratio_after_warmup"] < 21.4

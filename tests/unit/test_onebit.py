@@ -199,3 +199,14 @@ def test_momentum_given_sets_the_momentum_and_steps_with_it():
     t = 2
     want = before * (1 - 0.1 * 0.01) - 0.1 * (m / (1 - 0.9 ** t)) / ((v / (1 - 0.999 ** t)).sqrt() + 1e-8)
     torch.testing.assert_close(p.detach(), want)
+
+
+def test_block_scales_are_each_blocks_rms_and_one_block_is_encode():
+    from hybrid_ray.engine.compression.onebit import encode, encode_blocks, payload_bytes
+    x = torch.randn(70, generator=torch.Generator().manual_seed(9))
+    got = encode_blocks(x, 32)
+    for a, b in [(0, 32), (32, 64), (64, 70)]:  # the last block: its own 6 elements
+        part = x[a:b]
+        assert torch.allclose(got[a:b], torch.sign(part) * part.norm() / (b - a) ** 0.5)
+    assert torch.equal(encode_blocks(x, 0), encode(x)[1]) and torch.equal(encode_blocks(x, 70), encode(x)[1])
+    assert payload_bytes(70, 32) == 9 + 3 * 4 and payload_bytes(70) == payload_bytes(70, 100) == 9 + 4

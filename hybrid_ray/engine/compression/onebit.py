@@ -74,16 +74,31 @@ def decode(payload: torch.Tensor, numel: int) -> torch.Tensor:
     return decompress(scale, payload[4:4 + (numel + 7) // 8], numel)
 
 
-def payload_bytes(numel: int) -> int:
-    """What one rank sends for `numel` elements at one level: the bits and an fp32 scale."""
-    return (numel + 7) // 8 + 4
+def payload_bytes(numel: int, block: int = 0) -> int:
+    """What one rank sends for `numel` elements at one level: the bits and an fp32 scale (one
+    per `block` elements when block > 0)."""
+    return (numel + 7) // 8 + 4 * (-(-numel // block) if 0 < block < numel else 1)
+
+
+def encode_blocks(x: torch.Tensor, block: int) -> torch.Tensor:
+    """What the receiver decodes of x sent as signs with one scale per `block` elements (the
+    study's finer-scaled variant; block <= 0: one scale for all of x, as `encode`)."""
+    n = x.numel()
+    if not 0 < block < n:
+        return encode(x)[1]
+    pad = (-n) % block
+    rows = torch.cat([x.reshape(-1).float(), x.new_zeros(pad, dtype=torch.float32)]).view(-1, block)
+    counts = torch.full((rows.shape[0],), float(block), device=x.device)
+    counts[-1] = block - pad  # the padding zeros are not elements: the last block's own RMS
+    scales = rows.norm(dim=1) / counts.sqrt()
+    return torch.where(rows >= 0, 1.0, -1.0).mul_(scales[:, None]).reshape(-1)[:n]
 
 
 class SignAverage:
     """The two-level 1-bit average with worker and server residuals, per bucket key."""
 
-    def __init__(self, ranks: int):
-        self.ranks = ranks
+    def __init__(self, ranks: int, block: int = 0):
+        self.ranks, self.block = ranks, block  # block > 0: a scale per `block` elements
         self.worker: Dict[tuple, torch.Tensor] = {}
         self.server: Dict[tuple, torch.Tensor] = {}
 
@@ -93,7 +108,7 @@ class SignAverage:
         residual = store.get(key)
         if residual is not None:
             acc.add_(residual)
-        sent = encode(acc)[1]
+        sent = encode_blocks(acc, self.block)
         store[key] = acc.sub_(sent)
         return sent
 
