@@ -68,7 +68,26 @@ def exchange_run(rank: int) -> dict:
             got.append([f() for f in finishes])
             c.on_step(False, 1.0)
         out[name] = {"got": got, "sent": sent}
+    out["restored"] = restored_run(rank)
     return out
+
+
+def restored_run(rank: int) -> dict:
+    """A compressor rebuilt from another's state_dict (a buddy's copy) goes on as it would have."""
+    sizes = CASES["slice"][0]
+    a, b = OneBitMomentum(warmup_steps=0), OneBitMomentum(warmup_steps=0)
+    a.source = b.source = FixedSource(0.0, 1.0)
+
+    def step(c, s):
+        fins = [c.exchange((0, k), grads_of(rank, s, k, n, 1.0), rank * n // 2, (rank + 1) * n // 2, None)[1]
+                for k, n in enumerate(sizes)]
+        out = [f() for f in fins]
+        c.on_step(False, 1.0)
+        return out
+    for s in range(2):
+        step(a, s)
+    b.load_state_dict(a.state_dict(), torch.device("cpu"))
+    return {"original": step(a, 2), "restored": step(b, 2)}
 
 
 def reference(sizes, whole: bool, clip: float, scale: float, steps: int = 3) -> list:
@@ -216,3 +235,9 @@ def test_an_overflow_after_the_warm_up_keeps_the_last_average(results):
         assert rec[-1]["shared"].keys() == before.keys()
     for a, b in zip(results[0]["fp16"]["params"], results[1]["fp16"]["params"]):
         assert torch.equal(a, b) and bool(torch.isfinite(a).all())
+
+
+def test_a_compressor_restored_from_its_state_dict_goes_on_bit_for_bit(results):
+    for res in results:
+        r = res["exchange"]["restored"]
+        assert all(torch.equal(x, y) for x, y in zip(r["original"], r["restored"]))

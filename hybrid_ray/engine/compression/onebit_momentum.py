@@ -29,13 +29,13 @@ all_gather at stages 1-2 too, and it needs each rank's whole window gradient: st
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict, List, Optional, Protocol, Tuple
+from typing import Any, Callable, Dict, List, Optional, Protocol, Tuple
 
 import torch
 import torch.distributed as dist
 
 from .. import comm
-from .base import BucketKey, Layout
+from .base import BucketKey, Layout, host_copies
 from .onebit import OneBit, _bounds, decode, encode, payload_bytes
 
 
@@ -76,6 +76,17 @@ class OneBitMomentum(OneBit):
         if scale_ratio != 1.0:
             for rows in self.shared.values():
                 rows.view(torch.float32)[:, 0].mul_(scale_ratio)  # each row's leading fp32 scale
+
+    def state_dict(self) -> Dict[str, Any]:
+        """OneBit's, plus the shared average: a recovery at the same size (a buddy's copy of
+        this rank's state) then goes on bit for bit; without it, the owners reseed from their
+        optimizer's momentum."""
+        return {**super().state_dict(), "shared": host_copies(self.shared)}
+
+    def load_state_dict(self, state: Dict[str, Any], device: torch.device) -> None:
+        super().load_state_dict(state, device)
+        self.shared = {k: v.to(device) for k, v in state.get("shared", {}).items()}
+        self._next = {}
 
     def exchange(self, key: BucketKey, grad: torch.Tensor, lo: int, hi: int,
                  group: Optional[dist.ProcessGroup], layout: Optional[Layout] = None
