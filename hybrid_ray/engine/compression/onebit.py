@@ -176,23 +176,9 @@ class OneBit(ErrorFeedback):
             return dense_exchange(acc, lo, hi, group, self.timer)
         world, me = dist.get_world_size(group), dist.get_rank(group)
         whole = hi - lo == acc.numel()  # stage 0: every rank reduces the whole bucket
-        bounds = _bounds(acc.numel(), world)
-        if not whole and bounds[me] != (lo, hi):
-            raise ValueError(f"onebit: rank {me} keeps [{lo}, {hi}) of a {acc.numel()}-element bucket, "
-                             f"expected the equal slice {bounds[me]}")
-        with self.timer.span("compress"):
-            payloads = []
-            for a, b in bounds:
-                payload, sent = encode(acc[a:b])
-                acc[a:b].sub_(sent)
-                payloads.append(payload)
-            if self.error_feedback:
-                self.residuals[key] = acc
+        bounds = owner_bounds(acc.numel(), lo, hi, group)
+        recv, send, work = self._to_owners(key, acc, bounds, group)
         mine = payload_bytes(bounds[me][1] - bounds[me][0])
-        recv = torch.empty(world * mine, dtype=torch.uint8, device=acc.device)
-        send = torch.cat(payloads)
-        work = dist.all_to_all_single(recv, send, [mine] * world, [p.numel() for p in payloads],
-                                      group=group, async_op=True)
 
         def finish() -> torch.Tensor:
             _ = send  # held until the collective is done, whatever the backend's work keeps
@@ -206,6 +192,27 @@ class OneBit(ErrorFeedback):
         # Bytes handed to collectives, as the dense reduction counts its input (stage 0: the
         # served chunk's all_gather too).
         return send.numel() + (payload_bytes(max(b - a for a, b in bounds)) if whole else 0), finish
+
+    def _to_owners(self, key: BucketKey, x: torch.Tensor, bounds: List[Tuple[int, int]],
+                   group: Optional[dist.ProcessGroup]) -> Tuple[torch.Tensor, torch.Tensor, Any]:
+        """Worker level: every owner's chunk of x at one bit and one scale, in one all_to_all;
+        what one bit could not say stays in x, this bucket's residual. (recv, send, work): the
+        send buffer must be held until the collective is done."""
+        with self.timer.span("compress"):
+            payloads = []
+            for a, b in bounds:
+                payload, sent = encode(x[a:b])
+                x[a:b].sub_(sent)
+                payloads.append(payload)
+            if self.error_feedback:
+                self.residuals[key] = x
+        me = dist.get_rank(group)
+        mine = payload_bytes(bounds[me][1] - bounds[me][0])
+        recv = torch.empty(len(bounds) * mine, dtype=torch.uint8, device=x.device)
+        send = torch.cat(payloads)
+        work = dist.all_to_all_single(recv, send, [mine] * len(bounds), [p.numel() for p in payloads],
+                                      group=group, async_op=True)
+        return recv, send, work
 
     def _serve(self, key: BucketKey, total: torch.Tensor, bounds: List[Tuple[int, int]],
                group: Optional[dist.ProcessGroup]) -> torch.Tensor:
@@ -224,6 +231,17 @@ class OneBit(ErrorFeedback):
         self.timer.wait(comm.all_gather(rows, padded, group=group, async_op=True))
         with self.timer.span("compress"):
             return torch.cat([decode(row, b - a) for row, (a, b) in zip(rows.view(len(bounds), width), bounds)])
+
+
+def owner_bounds(numel: int, lo: int, hi: int, group: Optional[dist.ProcessGroup]) -> List[Tuple[int, int]]:
+    """Each owner's chunk of a bucket whose reduced [lo, hi) this rank keeps: the whole bucket
+    (stage 0) or its equal ZeRO slice, else a one-line ValueError."""
+    world, me = dist.get_world_size(group), dist.get_rank(group)
+    bounds = _bounds(numel, world)
+    if hi - lo != numel and bounds[me] != (lo, hi):
+        raise ValueError(f"onebit: rank {me} keeps [{lo}, {hi}) of a {numel}-element bucket, "
+                         f"expected the equal slice {bounds[me]}")
+    return bounds
 
 
 def _bounds(numel: int, world: int) -> List[Tuple[int, int]]:

@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from .. import comm
 from .base import BucketKey, Layout, host_copies
-from .onebit import OneBit, _bounds, decode, encode, payload_bytes
+from .onebit import OneBit, _bounds, decode, encode, owner_bounds, payload_bytes
 
 
 class MomentumSource(Protocol):
@@ -95,11 +95,7 @@ class OneBitMomentum(OneBit):
             return super().exchange(key, grad, lo, hi, group, layout)
         if self.source is None:
             raise RuntimeError("onebit momentum form: no optimizer bound to the exchange")
-        world, me = dist.get_world_size(group), dist.get_rank(group)
-        bounds = _bounds(grad.numel(), world)
-        if hi - lo != grad.numel() and bounds[me] != (lo, hi):
-            raise ValueError(f"onebit: rank {me} keeps [{lo}, {hi}) of a {grad.numel()}-element bucket, "
-                             f"expected the equal slice {bounds[me]}")
+        bounds = owner_bounds(grad.numel(), lo, hi, group)
         with self.timer.span("compress"):
             self._stash.append((key, grad.to(torch.float32, copy=True), lo, hi, group))
         # Bytes handed to collectives, as the dense reduction counts its input: the chunks for
@@ -145,20 +141,7 @@ class OneBitMomentum(OneBit):
             residual = self.residuals.pop(key, None)
             if residual is not None:
                 x.add_(residual)
-            payloads = []
-            for a, b in bounds:
-                payload, sent = encode(x[a:b])
-                x[a:b].sub_(sent)
-                payloads.append(payload)
-            if self.error_feedback:
-                self.residuals[key] = x
-        me = dist.get_rank(group)
-        mine = payload_bytes(bounds[me][1] - bounds[me][0])
-        recv = torch.empty(world * mine, dtype=torch.uint8, device=acc.device)
-        send = torch.cat(payloads)
-        work = dist.all_to_all_single(recv, send, [mine] * world, [p.numel() for p in payloads],
-                                      group=group, async_op=True)
-        return recv, send, work
+        return self._to_owners(key, x, bounds, group)
 
     def _serve_chunk(self, key: BucketKey, numel: int, group, worker, loss_scale: float):
         """Server level: this rank's chunk of the new momentum, sent to all at one bit."""
