@@ -17,10 +17,11 @@ warm-up 3.2% against 3.9%.
 
 A variant is `dense`, `topk:RATIO:WARMUP_STEPS[:VALUES[:INDICES]]` (VALUES fp32, bf16 or int8;
 INDICES int32 or block16: gradient_compression.topk_values / topk_indices), 1-bit Adam
-`onebit:WARMUP[:BLOCK]` (momentum form), `onebit-grad:WARMUP[:BLOCK]` (gradient form) or
-`onebit-pre:WARMUP[:BLOCK]` (momentum form, sent divided by the frozen sqrt(variance)), BLOCK
-giving a scale per that many elements instead of one per chunk, or `frozen:WARMUP` (AdamW whose
-variance freezes after WARMUP steps, gradients exact: what the freeze costs without compression). Prints one row per variant (mean over seeds,
+`onebit:WARMUP` (momentum form), `onebit-grad:WARMUP` (gradient form) or
+`onebit-pre:WARMUP` (momentum form, sent divided by the frozen sqrt(variance)), options `bBLOCK`
+(a scale per BLOCK elements instead of one per chunk) and `rREFRESH` (every REFRESH steps one dense
+AdamW step that updates the variance, counted as dense bytes), or `frozen:WARMUP[:rREFRESH]`
+(AdamW whose variance freezes after WARMUP steps, gradients exact: what the freeze alone costs). Prints one row per variant (mean over seeds,
 and the seeds' range) with the gap to dense and the byte ratio after the warm-up and over the
 whole run, and appends the rows as JSON to benchmarks/runs/<date>-quality-<steps>x<ranks>.jsonl
 (or --out) with the corpus they were measured on (sources, bytes, tokens, sha256).
@@ -69,6 +70,7 @@ class Variant:
     onebit: str = ""  # 1-bit Adam after `warmup` AdamW steps: "momentum" (the paper's) or "grad" (ZeRO's);
     # "none": the variance frozen the same way, gradients averaged exactly (what the freeze alone costs)
     block: int = 0  # 1-bit: one scale per `block` elements (0: one per owner's chunk, as the engine)
+    refresh: int = 0  # 1-bit: every `refresh` steps after the warm-up one dense AdamW step updates the variance
 
 
 ONEBIT = {"onebit": "momentum", "onebit-grad": "grad", "onebit-pre": "preconditioned", "frozen": "none"}
@@ -79,10 +81,12 @@ def parse_variant(text: str) -> Variant:
     if text == "dense":
         return Variant("dense")
     parts = text.split(":")
-    if parts[0] in ONEBIT and len(parts) in (2, 3) and all(p.isdigit() for p in parts[1:]) and int(parts[1]) > 0 \
-            and (len(parts) == 2 or (parts[0] != "frozen" and int(parts[2]) >= 32)):
-        return Variant(text, warmup=int(parts[1]), onebit=ONEBIT[parts[0]],
-                       block=int(parts[2]) if len(parts) == 3 else 0)
+    if parts[0] in ONEBIT and len(parts) >= 2 and parts[1].isdigit() and int(parts[1]) > 0:
+        opts = {p[:1]: p[1:] for p in parts[2:]}
+        if len(opts) == len(parts) - 2 and set(opts) <= {"b", "r"} and all(v.isdigit() for v in opts.values()) \
+                and int(opts.get("b", 32)) >= 32 and int(opts.get("r", 1)) >= 1:
+            return Variant(text, warmup=int(parts[1]), onebit=ONEBIT[parts[0]],
+                           block=int(opts.get("b", 0)), refresh=int(opts.get("r", 0)))
     try:
         if parts[0] != "topk" or not 3 <= len(parts) <= 5:
             raise ValueError
@@ -94,8 +98,9 @@ def parse_variant(text: str) -> Variant:
     except ValueError:
         raise SystemExit(f"--variant {text!r}: expected 'dense', 'topk:RATIO:WARMUP[:VALUES[:INDICES]]' "
                          "(0 < RATIO <= 1, WARMUP >= 0, VALUES fp32|bf16|int8, INDICES int32|block16) "
-                         "'onebit[-grad]:WARMUP[:BLOCK]' or 'frozen:WARMUP' (WARMUP > 0, BLOCK >= 32), e.g. "
-                         "topk:0.01:200, topk:0.05:100:int8:block16, onebit:200 or onebit:200:256")
+                         "'onebit[-grad|-pre]:WARMUP[:bBLOCK][:rREFRESH]' or 'frozen:WARMUP[:rREFRESH]' "
+                         "(WARMUP, REFRESH > 0, BLOCK >= 32), e.g. topk:0.01:200, "
+                         "topk:0.05:100:int8:block16, onebit:200 or onebit:200:b256:r100")
     return Variant(text, ratio, warmup, codec)
 
 
@@ -156,12 +161,16 @@ def run_onebit(job: Job, variant: Variant, steps: int, seed: int, ranks: int, da
         grads = [bucket_grads(model, buckets, batch) for batch in rank_batches(job, train, windows, ranks)]
         dense = sum(g.numel() * 4 for g in grads[0]) * ranks
         dense_bytes += dense
-        if step < variant.warmup:
+        refresh = variant.refresh and step > variant.warmup and (step - variant.warmup) % variant.refresh == 0
+        if step < variant.warmup or refresh:
             sent += dense
+            if refresh and momentum is not None:  # the optimizer takes over the frozen phase's momentum
+                _store_momentum(opt, buckets, momentum, step)
             set_grads(buckets, [torch.stack(gs).mean(0) for gs in zip(*grads)])
             if e.gradient_clipping > 0:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), e.gradient_clipping)
             opt.step()
+            momentum = None
         else:
             if momentum is None:  # freeze: the optimizer's moments, one flat tensor per bucket
                 momentum, variance = ([torch.cat([opt.state[p][k].reshape(-1) for p in b]) for b in buckets]
@@ -180,6 +189,17 @@ def run_onebit(job: Job, variant: Variant, steps: int, seed: int, ranks: int, da
             "bytes_ratio_after_warmup": (dense_bytes / steps * after) / (sent - dense_bytes / steps * variant.warmup)
             if after > 0 else None,
             "bytes_ratio_whole_run": dense_bytes / sent, "passes": windows.passes}
+
+
+def _store_momentum(opt, buckets, momentum: List[torch.Tensor], steps_done: int) -> None:
+    """Write the flat momenta back into the optimizer's state, with its step count."""
+    for bucket, m in zip(buckets, momentum):
+        off = 0
+        for p in bucket:
+            state = opt.state[p]
+            state["exp_avg"].copy_(m[off:off + p.numel()].view_as(p))
+            state["step"].fill_(steps_done)
+            off += p.numel()
 
 
 def _onebit_momentum(form: str, avg: SignAverage, momentum: List[torch.Tensor], grads: List[List[torch.Tensor]],

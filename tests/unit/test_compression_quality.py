@@ -66,7 +66,7 @@ def test_no_window_is_seen_twice_unless_allowed():
 @pytest.mark.parametrize("bad", ["topk", "topk:0:10", "topk:0.01", "powersgd:4:0", "topk:x:1",
                                  "topk:0.1:0:int4", "topk:0.1:0:int8:int16",
                                  "onebit", "onebit:0", "onebit:x", "onebit:5:1", "onebit:5:x", "frozen:0",
-                                 "frozen:5:256", "onebit-grad:5:16:2"])
+                                 "onebit:5:b16", "onebit:5:r0", "onebit:5:b64:b128", "onebit:5:q3", "onebit:5:256"])
 def test_bad_variant_is_one_line(bad):
     with pytest.raises(SystemExit, match=r"^--variant .*expected 'dense', 'topk:RATIO:WARMUP"):
         load_study().parse_variant(bad)
@@ -110,12 +110,24 @@ def test_the_freeze_alone_finer_scales_and_preconditioning_are_variants_too(job_
     """frozen:W: the variance frozen after W steps with exact gradients (dense bytes); onebit:W:B:
     a scale per B elements, counted in the bytes (1/8 + 4/B bytes per element)."""
     rows = load_study().main(["--config", str(job_file), "--steps", "3", "--device", "cpu", "--seeds", "1",
-                              "--variant", "frozen:1", "--variant", "onebit:1", "--variant", "onebit:1:64",
+                              "--variant", "frozen:1", "--variant", "onebit:1", "--variant", "onebit:1:b64",
                               "--variant", "onebit-pre:1", "--out", str(tmp_path / "q.jsonl")])
     res = {r["variant"]: r for r in rows}
     assert res["frozen:1"]["bytes_ratio_after_warmup"] == 1.0
     assert 28 < res["onebit-pre:1"]["bytes_ratio_after_warmup"] <= 32
-    names = ("dense", "frozen:1", "onebit:1", "onebit:1:64", "onebit-pre:1")
+    names = ("dense", "frozen:1", "onebit:1", "onebit:1:b64", "onebit-pre:1")
     assert len({res[v]["val_loss"][0] for v in names}) == len(names)
     assert all(math.isfinite(res[v]["val_loss"][0]) for v in names)
-    assert 20 < res["onebit:1:64"]["bytes_ratio_after_warmup"] < 21.4
+    assert 20 < res["onebit:1:b64"]["bytes_ratio_after_warmup"] < 21.4
+
+
+def test_a_variance_refresh_is_a_dense_adamw_step_between_frozen_ones(job_file, tmp_path):
+    """frozen:1:r1 refreshes at every step after the first frozen one: from then on plain AdamW
+    with exact gradients; the refresh steps are counted as dense bytes."""
+    rows = load_study().main(["--config", str(job_file), "--steps", "5", "--device", "cpu", "--seeds", "1",
+                              "--variant", "frozen:1", "--variant", "frozen:1:r1", "--variant", "onebit:1:r2",
+                              "--out", str(tmp_path / "q.jsonl")])
+    res = {r["variant"]: r for r in rows}
+    assert len({res[v]["val_loss"][0] for v in ("dense", "frozen:1", "frozen:1:r1")}) == 3
+    after = 4 / (1 + 3 / 32)  # steps 1-4 after the warm-up: step 3 a refresh at fp32, 3 at one bit
+    assert res["onebit:1:r2"]["bytes_ratio_after_warmup"] == pytest.approx(after, rel=0.03)
