@@ -17,7 +17,9 @@ uncompressed parameter all-gather included). Settings:
   powersgd  gradient_compression powersgd, rank 4 (reported "not available" while the config
             refuses it)
   onebit    gradient_compression onebit (1-bit Adam: one bit per element and a scale per
-            slice; one dense warm-up step, taken among the untimed ones)
+            slice; one dense warm-up step, taken among the untimed ones), form auto: the
+            momentum form at ZeRO 0-1, the gradient form at 2-3
+  onebit-grad  the same with form gradient (each rank's gradient, at every stage)
 
 --link netns (the default on CPU): two network namespaces joined by a veth pair, each end
 shaped with a `tc` token bucket (tbf) at --rate (and a netem delay with --delay, where the
@@ -53,7 +55,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 WORLD = 2
-SETTING_NAMES = ("dense", "bf16", "topk", "powersgd", "onebit")
+SETTING_NAMES = ("dense", "bf16", "topk", "powersgd", "onebit", "onebit-grad")
 # Optional per-step timing keys of compression_stats() (added by later engine work).
 TIMING_KEYS = ("step_s", "comm_wait_s", "compress_s")
 _UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12}
@@ -76,7 +78,8 @@ def setting_configs(args) -> Dict[str, Optional[dict]]:
     all_ = {"dense": None, "bf16": {"type": "bf16"},
             "topk": {"type": "topk", "topk_ratio": args.topk_ratio, "error_feedback": True},
             "powersgd": {"type": "powersgd", "rank": args.powersgd_rank},
-            "onebit": {"type": "onebit", "warmup_steps": 1}}
+            "onebit": {"type": "onebit", "warmup_steps": 1},
+            "onebit-grad": {"type": "onebit", "warmup_steps": 1, "form": "gradient"}}
     names = [s.strip() for s in args.settings.split(",") if s.strip()]
     unknown = [n for n in names if n not in all_]
     if unknown or not names:
