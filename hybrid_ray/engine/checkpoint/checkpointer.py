@@ -196,7 +196,14 @@ class Checkpointer:
                   buffers: cstate.HostBuffers) -> None:
         """Fill the job with this rank's share of the state, on the host (collective)."""
         rank = self.topology.rank
-        tensors, index = cstate.snapshot_params(ts, buffers)
+        # 1-bit momentum form: the saved momentum carries what the residuals still owe
+        fold = getattr(ts.compressor, "fold_debt", None)
+        undo = fold() if fold is not None and ts.compressor.freezes_variance else None
+        try:
+            tensors, index = cstate.snapshot_params(ts, buffers)
+        finally:
+            if undo is not None:
+                undo()
         job.tensor_files.update(cwrite.split_parts(f"{cread.PARAMS}{rank:05d}", tensors))
         job.byte_files[f"rng-rank{rank:05d}.json"] = cio.json_bytes(cstate.rng_state(), compact=True)
         split = ts.split is not None  # every stage's extras reach rank 0 (collective)

@@ -68,7 +68,8 @@ class TrainState:
     write_back: Callable[[], None]  # copy the masters into the model's parameters
     log: Callable[..., None]  # (message, level=INFO) on rank 0
     split: Optional[SplitLayout] = None  # the model is split over processes (split.py)
-    compressor: Any = None  # the gradient compressor (its warm-up position is saved, not its residuals)
+    compressor: Any = None  # the gradient compressor (its warm-up position is saved, not its residuals;
+    # the 1-bit momentum form folds what they owe into the saved momentum: Checkpointer._snapshot)
 
 
 # ---- parameter state -------------------------------------------------------------------------

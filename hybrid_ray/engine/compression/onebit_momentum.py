@@ -67,6 +67,7 @@ class OneBitMomentum(OneBit):
         self._next: Dict[BucketKey, torch.Tensor] = {}  # this step's, kept if the step applies
         self._stash: List[_Stashed] = []
         self._results: Dict[BucketKey, torch.Tensor] = {}
+        self._group: Optional[dist.ProcessGroup] = None  # the exchanges' group (fold_debt's)
 
     def on_step(self, overflow: bool, scale_ratio: float) -> None:
         super().on_step(overflow, scale_ratio)
@@ -88,6 +89,39 @@ class OneBitMomentum(OneBit):
         self.shared = {k: v.to(device) for k, v in state.get("shared", {}).items()}
         self._next = {}
 
+    def fold_debt(self) -> Callable[[], None]:
+        """For a checkpoint: add to this rank's optimizer momentum what the error-feedback
+        residuals still owe its chunks, so that the saved momentum carries it; returns the undo.
+
+        The residuals (each rank's worker residual, each owner's server residual) are per rank
+        and layout, and a checkpoint does not keep them; dropped, they take about half the
+        momentum's norm with them (the tiny LM job: a resumed run's loss jumped and, on Ray,
+        diverged). Folded in as debt / beta1, the first exchange after a resume, whose owners
+        add beta1 times their momentum (no shared average yet), sums what the run that went on
+        sums. Collective (one all_reduce per bucket): every rank calls it, as it saves."""
+        undo: List[Tuple[torch.Tensor, torch.Tensor]] = []
+        if self._group is None or not self.residuals or self.source is None:
+            return lambda: None
+        loss_scale, _ = self.source.step_scalars()
+        world, me = dist.get_world_size(self._group), dist.get_rank(self._group)
+        for key in sorted(self.residuals):  # the same keys, in the same order, on every rank
+            debt = self.residuals[key].clone()
+            dist.all_reduce(debt, group=self._group)
+            a, b = _bounds(debt.numel(), world)[me]
+            owed = debt[a:b]
+            if key in self.server:
+                owed = owed + self.server[key]
+            view = self.source.owned_momentum(key, a, b)
+            if view is None:
+                continue
+            undo.append((view, view.clone()))
+            view.add_(owed.to(view.device), alpha=1.0 / (self.source.beta1(key) * loss_scale * world))
+
+        def restore() -> None:
+            for view, kept in undo:
+                view.copy_(kept)
+        return restore
+
     def exchange(self, key: BucketKey, grad: torch.Tensor, lo: int, hi: int,
                  group: Optional[dist.ProcessGroup], layout: Optional[Layout] = None
                  ) -> Tuple[int, Callable[[], torch.Tensor]]:
@@ -96,6 +130,7 @@ class OneBitMomentum(OneBit):
         if self.source is None:
             raise RuntimeError("onebit momentum form: no optimizer bound to the exchange")
         bounds = owner_bounds(grad.numel(), lo, hi, group)
+        self._group = group
         with self.timer.span("compress"):
             self._stash.append((key, grad.to(torch.float32, copy=True), lo, hi, group))
         # Bytes handed to collectives, as the dense reduction counts its input: the chunks for
