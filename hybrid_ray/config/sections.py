@@ -210,9 +210,9 @@ class CompressionConfig:
     next reduction."""
     form: Literal["auto", "momentum", "gradient"] = "auto"
     """onebit: what travels at one bit after the warm-up. momentum: each rank's momentum, as in
-    1-bit Adam (the form that stays level with dense Adam; ZeRO stages 0-1, AdamW or Adam
-    without weight_decay, no delayed_param_update; each rank's gradient is clipped by its own
-    norm before the exchange). gradient: each rank's gradient, averaged by the shard owners,
+    1-bit Adam (the form that stays closest to dense Adam; ZeRO stages 0-1, AdamW or Adam
+    without weight_decay, no delayed_param_update, no tensor or pipeline split; each rank's
+    gradient is clipped by its own norm before the exchange). gradient: each rank's gradient, averaged by the shard owners,
     which works at every stage but loses more quality. auto: momentum where it can run, else
     gradient."""
     max_quality_loss: Optional[float] = checked(0.03, ge=0)

@@ -128,6 +128,7 @@ def test_config_refuses_what_onebit_cannot_do(cfg, match):
     ({"zero_optimization": {"stage": 2}}, "OneBit"), ({"zero_optimization": {"stage": 3}}, "OneBit"),
     ({"optimizer": {"type": "Adam", "params": {"weight_decay": 0.1}}}, "OneBit"),
     ({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu", "delayed_param_update": True}}}, "OneBit"),
+    ({"pipeline_model_parallel_size": 2}, "OneBit"),
     ({"gradient_compression": {"type": "onebit", "warmup_steps": 5, "form": "gradient"}}, "OneBit")])
 def test_auto_form_is_the_momentum_form_where_it_can_run(extra, kind):
     from hybrid_ray.engine.compression import reduction_setup
