@@ -127,9 +127,15 @@ auth_header() {
   fi
 }
 
-# The job API answers (GET /api/jobs/ is what `ray job list` calls) with our auth settings.
+# The job API answers (GET /api/jobs/ is what `ray job list` calls) with our auth settings, and
+# so does GET /api/version, the first thing `ray job submit` reads: in one soak run the jobs
+# route answered while the version request got a 200 whose body was not JSON, and the README's
+# submit right after start failed with JSONDecodeError.
 ray_answers() {
-  curl -sf -m 3 -o /dev/null -H "$(auth_header)" "http://$HOST:$DASHBOARD_PORT/api/jobs/"
+  local version
+  curl -sf -m 3 -o /dev/null -H "$(auth_header)" "http://$HOST:$DASHBOARD_PORT/api/jobs/" &&
+    version=$(curl -sf -m 3 -H "$(auth_header)" "http://$HOST:$DASHBOARD_PORT/api/version") &&
+    [[ $version == *'"ray_version"'* ]]
 }
 mlflow_answers() { curl -sf -m 3 "http://$HOST:$MLFLOW_PORT/health" 2>/dev/null | grep -q OK; }
 
