@@ -197,8 +197,8 @@ class Checkpointer:
         """Fill the job with this rank's share of the state, on the host (collective)."""
         rank = self.topology.rank
         # 1-bit momentum form: the saved momentum carries what the residuals still owe
-        fold = getattr(ts.compressor, "fold_debt", None)
-        undo = fold() if fold is not None and ts.compressor.freezes_variance else None
+        fold = getattr(ts.compressor, "fold_debt", None)  # a no-op until it has residuals
+        undo = fold() if fold is not None else None
         try:
             tensors, index = cstate.snapshot_params(ts, buffers)
         finally:

@@ -174,24 +174,21 @@ class OneBit(ErrorFeedback):
             acc = self.with_residual(key, grad)
         if self.step < self.warmup_steps:
             return dense_exchange(acc, lo, hi, group, self.timer)
-        world, me = dist.get_world_size(group), dist.get_rank(group)
         whole = hi - lo == acc.numel()  # stage 0: every rank reduces the whole bucket
         bounds = owner_bounds(acc.numel(), lo, hi, group)
         recv, send, work = self._to_owners(key, acc, bounds, group)
-        mine = payload_bytes(bounds[me][1] - bounds[me][0])
 
         def finish() -> torch.Tensor:
             _ = send  # held until the collective is done, whatever the backend's work keeps
             self.timer.wait(work)
-            n = bounds[me][1] - bounds[me][0]
             with self.timer.span("compress"):
-                total = sum(decode(row, n) for row in recv.view(world, mine))
+                total = owner_sum(recv, bounds, dist.get_rank(group))
             if not whole:
                 return total
             return self._serve(key, total, bounds, group)[lo:hi]
         # Bytes handed to collectives, as the dense reduction counts its input (stage 0: the
         # served chunk's all_gather too).
-        return send.numel() + (payload_bytes(max(b - a for a, b in bounds)) if whole else 0), finish
+        return send.numel() + (row_width(bounds) if whole else 0), finish
 
     def _to_owners(self, key: BucketKey, x: torch.Tensor, bounds: List[Tuple[int, int]],
                    group: Optional[dist.ProcessGroup]) -> Tuple[torch.Tensor, torch.Tensor, Any]:
@@ -217,20 +214,49 @@ class OneBit(ErrorFeedback):
     def _serve(self, key: BucketKey, total: torch.Tensor, bounds: List[Tuple[int, int]],
                group: Optional[dist.ProcessGroup]) -> torch.Tensor:
         """Stage 0: this rank's summed chunk sent to all at one bit; the whole decoded sum."""
+        rows, work = self._broadcast(key, total, bounds, group)
+        self.timer.wait(work)
+        with self.timer.span("compress"):
+            return decode_rows(rows, bounds)
+
+    def _broadcast(self, key: BucketKey, total: torch.Tensor, bounds: List[Tuple[int, int]],
+                   group: Optional[dist.ProcessGroup]) -> Tuple[torch.Tensor, Any]:
+        """Server level: this owner's chunk `total` (a tensor it owns) plus its server residual,
+        sent to every rank at one bit in one all_gather; the rest stays as the residual.
+        (rows, one per owner as every rank will hold them, the all_gather's work)."""
         with self.timer.span("compress"):
             residual = self.server.get(key)
             if residual is not None:
-                total = total + residual
+                total.add_(residual)
             payload, sent = encode(total)
             if self.error_feedback:
-                self.server[key] = total - sent
-            width = payload_bytes(max(b - a for a, b in bounds))
+                self.server[key] = total.sub_(sent)
+            width = row_width(bounds)
             padded = torch.zeros(width, dtype=torch.uint8, device=total.device)
             padded[:payload.numel()] = payload
         rows = torch.empty(len(bounds) * width, dtype=torch.uint8, device=total.device)
-        self.timer.wait(comm.all_gather(rows, padded, group=group, async_op=True))
-        with self.timer.span("compress"):
-            return torch.cat([decode(row, b - a) for row, (a, b) in zip(rows.view(len(bounds), width), bounds)])
+        return rows.view(len(bounds), width), comm.all_gather(rows, padded, group=group, async_op=True)
+
+
+def owner_sum(recv: torch.Tensor, bounds: List[Tuple[int, int]], me: int) -> torch.Tensor:
+    """What owner `me` received at the worker level (one payload per rank), decoded and summed."""
+    a, b = bounds[me]
+    return sum(decode(row, b - a) for row in recv.view(len(bounds), payload_bytes(b - a)))
+
+
+def row_width(bounds: List[Tuple[int, int]]) -> int:
+    """Bytes per served row: the largest chunk's payload, rounded up to whole fp32 words so that
+    each row's leading scale can be read (and rescaled) in place."""
+    return -(-payload_bytes(max(b - a for a, b in bounds)) // 4) * 4
+
+
+def decode_rows(rows: torch.Tensor, bounds: List[Tuple[int, int]], lo: int = 0,
+                hi: Optional[int] = None) -> torch.Tensor:
+    """Elements [lo, hi) of the tensor the served rows encode (only the rows that cover them)."""
+    hi = bounds[-1][1] if hi is None else hi
+    parts = [decode(row, b - a)[max(lo, a) - a:min(hi, b) - a]
+             for row, (a, b) in zip(rows, bounds) if a < hi and b > lo]
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
 def owner_bounds(numel: int, lo: int, hi: int, group: Optional[dist.ProcessGroup]) -> List[Tuple[int, int]]:

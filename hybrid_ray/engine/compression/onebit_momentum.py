@@ -34,9 +34,8 @@ from typing import Any, Callable, Dict, List, Optional, Protocol, Tuple
 import torch
 import torch.distributed as dist
 
-from .. import comm
 from .base import BucketKey, Layout, host_copies
-from .onebit import OneBit, _bounds, decode, encode, owner_bounds, payload_bytes
+from .onebit import OneBit, _bounds, decode_rows, owner_bounds, owner_sum, payload_bytes, row_width
 
 
 class MomentumSource(Protocol):
@@ -135,7 +134,7 @@ class OneBitMomentum(OneBit):
             self._stash.append((key, grad.to(torch.float32, copy=True), lo, hi, group))
         # Bytes handed to collectives, as the dense reduction counts its input: the chunks for
         # the owners, then this rank's served row.
-        sent = sum(payload_bytes(b - a) for a, b in bounds) + _row_width(bounds)
+        sent = sum(payload_bytes(b - a) for a, b in bounds) + row_width(bounds)
 
         def finish() -> torch.Tensor:
             if key not in self._results:
@@ -161,7 +160,7 @@ class OneBitMomentum(OneBit):
             self._next[key] = rows
             bounds = _bounds(acc.numel(), dist.get_world_size(group))
             with self.timer.span("compress"):
-                self._results[key] = _decode_rows(rows, bounds, lo, hi)
+                self._results[key] = decode_rows(rows, bounds, lo, hi)
 
     def _send_chunks(self, key: BucketKey, acc: torch.Tensor, group, coef: float):
         """Worker level: x_r's chunk for every owner at one bit, in one all_to_all."""
@@ -172,7 +171,7 @@ class OneBitMomentum(OneBit):
             x = acc.mul_((1 - beta1) * coef)
             prev = self.shared.get(key)
             if prev is not None:
-                x.add_(_decode_rows(prev, bounds), alpha=beta1 / world)
+                x.add_(decode_rows(prev, bounds), alpha=beta1 / world)
             residual = self.residuals.pop(key, None)
             if residual is not None:
                 x.add_(residual)
@@ -185,37 +184,11 @@ class OneBitMomentum(OneBit):
         world, me = dist.get_world_size(group), dist.get_rank(group)
         bounds = _bounds(numel, world)
         a, b = bounds[me]
-        mine = payload_bytes(b - a)
         with self.timer.span("compress"):
-            total = sum(decode(row, b - a) for row in recv.view(world, mine))
+            total = owner_sum(recv, bounds, me)
             if key not in self.shared:  # no M here: the owner adds beta1 * its own momentum
                 owned = self.source.owned_momentum(key, a, b)
                 if owned is not None:
                     beta1 = self.source.beta1(key)
                     total.add_(owned.to(total.device, torch.float32), alpha=beta1 * loss_scale * world)
-            residual = self.server.get(key)
-            if residual is not None:
-                total.add_(residual)
-            payload, sent = encode(total)
-            if self.error_feedback:
-                self.server[key] = total.sub_(sent)
-            width = _row_width(bounds)
-            padded = torch.zeros(width, dtype=torch.uint8, device=total.device)
-            padded[:payload.numel()] = payload
-        rows = torch.empty(world * width, dtype=torch.uint8, device=total.device)
-        return rows.view(world, width), comm.all_gather(rows, padded, group=group, async_op=True)
-
-
-def _row_width(bounds: List[Tuple[int, int]]) -> int:
-    """Bytes per served row: the largest chunk's payload, rounded up to whole fp32 words so that
-    each row's leading scale can be read (and rescaled) in place."""
-    return -(-payload_bytes(max(b - a for a, b in bounds)) // 4) * 4
-
-
-def _decode_rows(rows: torch.Tensor, bounds: List[Tuple[int, int]], lo: int = 0,
-                 hi: Optional[int] = None) -> torch.Tensor:
-    """Elements [lo, hi) of the momentum the served rows encode (only the rows that cover them)."""
-    hi = bounds[-1][1] if hi is None else hi
-    parts = [decode(row, b - a)[max(lo, a) - a:min(hi, b) - a]
-             for row, (a, b) in zip(rows, bounds) if a < hi and b > lo]
-    return torch.cat(parts) if len(parts) > 1 else parts[0]
+        return self._broadcast(key, total, bounds, group)
