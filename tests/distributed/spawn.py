@@ -98,3 +98,13 @@ def run(fn: Callable, world: int, *args: Any, timeout_s: Optional[float] = None,
     """
     mp.start_processes(_entry, args=(fn, world, free_port(), args, timeout_s, backend, caller_state()),
                        nprocs=world, start_method=START_METHOD, join=True)
+
+
+def save_result(out: str, rank: int, result: Any) -> None:
+    """A rank's results, for `results` to read back in the test process."""
+    torch.save(result, Path(out) / f"rank{rank}.pt")
+
+
+def results(out: str, world: int) -> list:
+    """What each rank passed to `save_result`, in rank order."""
+    return [torch.load(Path(out) / f"rank{r}.pt", weights_only=False) for r in range(world)]

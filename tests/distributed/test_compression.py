@@ -5,7 +5,6 @@ compression is communication_data_type half, low-rank PowerSGD trains, the step-
 sane and probe_bandwidth agrees on both ranks."""
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Dict, List
 
 import pytest
@@ -113,7 +112,7 @@ def train_all(rank: int, world: int, out: str) -> None:
     results["switch"] = {stage: switch_run(rank, world, stage) for stage in (0, 1, 2, 3)}
     results["overflow"] = {stage: overflow_run(rank, stage) for stage in (1, 2)}
     results["bandwidth"] = probe_bandwidth(nbytes=1 << 20, repeats=3)
-    torch.save(results, Path(out) / f"rank{rank}.pt")
+    spawn.save_result(out, rank, results)
 
 
 def error_feedback_run(rank: int, world: int, steps: int = 40, numel: int = 1000) -> dict:
@@ -294,7 +293,7 @@ def switch_run(rank: int, world: int, stage: int) -> List[dict]:
 def results(tmp_path_factory) -> List[dict]:
     out = tmp_path_factory.mktemp("compression")
     spawn.run(train_all, WORLD, str(out), timeout_s=60)
-    return [torch.load(out / f"rank{r}.pt") for r in range(WORLD)]
+    return spawn.results(str(out), WORLD)
 
 
 def assert_params_close(a: List[torch.Tensor], b: List[torch.Tensor], atol: float) -> None:

@@ -153,14 +153,14 @@ def run_all(rank: int, world: int, out: str) -> None:
         r["params"] = full_params(r["engine"])
         r.pop("engine").close()
         res[name] = r
-    torch.save(res, Path(out) / f"rank{rank}.pt")
+    spawn.save_result(out, rank, res)
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("onebit")
     spawn.run(run_all, WORLD, str(out), timeout_s=240)
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    return spawn.results(str(out), WORLD)
 
 
 def test_exchange_equals_the_codec_reference(results):

@@ -18,8 +18,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from hybrid_ray.engine import Engine, Topology
-from hybrid_ray.engine.compression.onebit import OneBit, _bounds, decode, encode
-from hybrid_ray.engine.compression.onebit_momentum import OneBitMomentum, _decode_rows
+from hybrid_ray.engine.compression.onebit import _bounds, decode, decode_rows, encode
+from hybrid_ray.engine.compression.onebit_momentum import OneBitMomentum
 from tests.distributed import spawn
 from tests.distributed.test_compression import full_params, model
 from tests.distributed.test_onebit import MICRO, batch
@@ -152,7 +152,7 @@ def held_momentum(engine: Engine) -> list:
         b = g.space.buckets[key[1]]
         lo, hi = b.shard_range(g.space.rank, g.space.num_shards)
         held = c.source.owned_momentum(key, lo - b.start, hi - b.start)
-        avg = _decode_rows(rows, _bounds(b.numel, WORLD), lo - b.start, hi - b.start) * coef
+        avg = decode_rows(rows, _bounds(b.numel, WORLD), lo - b.start, hi - b.start) * coef
         state = engine.optimizer.state[engine.zero.masters[key[0]]]
         off = g.shard_offset[key[1]]
         nonzero = state["exp_avg_sq"][off:off + hi - lo] != 0
@@ -224,14 +224,14 @@ def run_all(rank: int, world: int, out: str) -> None:
     for stage in (0, 1):
         res[stage] = {"auto": train(rank, stage), "gradient": train(rank, stage, "gradient")}
     res["fp16"] = train(rank, 1, fp16=True, poisoned=WARMUP + 1)
-    torch.save(res, Path(out) / f"rank{rank}.pt")
+    spawn.save_result(out, rank, res)
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("onebit_momentum")
     spawn.run(run_all, WORLD, str(out), timeout_s=240)
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    return spawn.results(str(out), WORLD)
 
 
 @pytest.mark.parametrize("case", list(CASES))
