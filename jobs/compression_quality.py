@@ -56,6 +56,7 @@ from hybrid_ray.data import ensure_prepared  # noqa: E402
 from hybrid_ray.engine.compression.codec import VALUE_BYTES, PairCodec  # noqa: E402
 from hybrid_ray.engine.compression.onebit import SignAverage, payload_bytes  # noqa: E402
 from hybrid_ray.engine.compression.topk import TopK  # noqa: E402
+from hybrid_ray.engine.zero.frozen import step_frozen_variance  # noqa: E402
 from hybrid_ray.lm.job import Job, load_job  # noqa: E402
 from hybrid_ray.lm.simulated import (Windows, bucket_grads, load_windows, rank_batches, set_grads,  # noqa: E402,F401 (Windows: tests)
                                      start, val_loss)
@@ -163,9 +164,7 @@ def run_onebit(job: Job, variant: Variant, steps: int, seed: int, ranks: int, da
         dense_bytes += dense
         refresh = variant.refresh and step > variant.warmup and (step - variant.warmup) % variant.refresh == 0
         if step < variant.warmup or refresh:
-            sent += dense
-            if refresh and momentum is not None:  # the optimizer takes over the frozen phase's momentum
-                _store_momentum(opt, buckets, momentum, step)
+            sent += dense  # the optimizer's state holds the frozen phase's momentum and step count
             set_grads(buckets, [torch.stack(gs).mean(0) for gs in zip(*grads)])
             if e.gradient_clipping > 0:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), e.gradient_clipping)
@@ -181,7 +180,7 @@ def run_onebit(job: Job, variant: Variant, steps: int, seed: int, ranks: int, da
             # of it at fp32: at two ranks, n/8 bytes against the n*4 the dense baseline counts.
             sent += dense if variant.onebit == "none" else \
                 sum(payload_bytes(m.numel(), variant.block) for m in momentum) * ranks
-            _frozen_step(opt, buckets, momentum, variance, step + 1)
+            _frozen_step(opt, buckets, momentum)
         if sched is not None:
             sched.step()
     after = steps - variant.warmup
@@ -189,17 +188,6 @@ def run_onebit(job: Job, variant: Variant, steps: int, seed: int, ranks: int, da
             "bytes_ratio_after_warmup": (dense_bytes / steps * after) / (sent - dense_bytes / steps * variant.warmup)
             if after > 0 else None,
             "bytes_ratio_whole_run": dense_bytes / sent, "passes": windows.passes}
-
-
-def _store_momentum(opt, buckets, momentum: List[torch.Tensor], steps_done: int) -> None:
-    """Write the flat momenta back into the optimizer's state, with its step count."""
-    for bucket, m in zip(buckets, momentum):
-        off = 0
-        for p in bucket:
-            state = opt.state[p]
-            state["exp_avg"].copy_(m[off:off + p.numel()].view_as(p))
-            state["step"].fill_(steps_done)
-            off += p.numel()
 
 
 def _onebit_momentum(form: str, avg: SignAverage, momentum: List[torch.Tensor], grads: List[List[torch.Tensor]],
@@ -232,18 +220,11 @@ def _clipped(grads: List[torch.Tensor], clip: float) -> List[torch.Tensor]:
     return [g * (clip / (norm + 1e-6)) for g in grads] if norm > clip else grads
 
 
-@torch.no_grad()
-def _frozen_step(opt, buckets, momentum: List[torch.Tensor], variance: List[torch.Tensor], t: int) -> None:
-    """AdamW's update with the given momentum and the frozen variance, at step count t."""
-    g = opt.param_groups[0]
-    (beta1, beta2), lr, eps, wd = g["betas"], g["lr"], g["eps"], g["weight_decay"]
-    for bucket, m, v in zip(buckets, momentum, variance):
-        update = (m / (1 - beta1 ** t)) / ((v / (1 - beta2 ** t)).sqrt() + eps)
-        update.masked_fill_(v == 0, 0.0)  # no gradient in the warm-up: no 1-bit update (zero/frozen.py)
-        off = 0
-        for p in bucket:
-            p.mul_(1 - lr * wd).sub_(update[off:off + p.numel()].view_as(p), alpha=lr)
-            off += p.numel()
+def _frozen_step(opt, buckets, momentum: List[torch.Tensor]) -> None:
+    """The engine's frozen-variance step (zero/frozen.py) with `momentum` as the new momentum: the
+    optimizer's own state, bias corrections, decoupled decay per group and unseen-element mask."""
+    set_grads(buckets, momentum)
+    step_frozen_variance(opt, momentum_given=True)
 
 
 def main(argv: Optional[List[str]] = None) -> List[dict]:
