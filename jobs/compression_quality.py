@@ -20,7 +20,8 @@ INDICES int32 or block16: gradient_compression.topk_values / topk_indices), 1-bi
 `onebit:WARMUP` (momentum form), `onebit-grad:WARMUP` (gradient form) or
 `onebit-pre:WARMUP` (momentum form, sent divided by the frozen sqrt(variance)), options `bBLOCK`
 (a scale per BLOCK elements instead of one per chunk) and `rREFRESH` (every REFRESH steps one dense
-AdamW step that updates the variance, counted as dense bytes), or `frozen:WARMUP[:rREFRESH]`
+AdamW step that updates the variance, counted as dense bytes) and `c0` (without the engine's
+gradient_compression.update_bound: 1-bit Adam's update as published), or `frozen:WARMUP[:rREFRESH]`
 (AdamW whose variance freezes after WARMUP steps, gradients exact: what the freeze alone costs). Prints one row per variant (mean over seeds,
 and the seeds' range) with the gap to dense and the byte ratio after the warm-up and over the
 whole run, and appends the rows as JSON to benchmarks/runs/<date>-quality-<steps>x<ranks>.jsonl
@@ -72,6 +73,7 @@ class Variant:
     # "none": the variance frozen the same way, gradients averaged exactly (what the freeze alone costs)
     block: int = 0  # 1-bit: one scale per `block` elements (0: one per owner's chunk, as the engine)
     refresh: int = 0  # 1-bit: every `refresh` steps after the warm-up one dense AdamW step updates the variance
+    bound: bool = True  # 1-bit: the engine's update_bound (the frozen variance read as at least m^2)
 
 
 ONEBIT = {"onebit": "momentum", "onebit-grad": "grad", "onebit-pre": "preconditioned", "frozen": "none"}
@@ -84,10 +86,10 @@ def parse_variant(text: str) -> Variant:
     parts = text.split(":")
     if parts[0] in ONEBIT and len(parts) >= 2 and parts[1].isdigit() and int(parts[1]) > 0:
         opts = {p[:1]: p[1:] for p in parts[2:]}
-        if len(opts) == len(parts) - 2 and set(opts) <= {"b", "r"} and all(v.isdigit() for v in opts.values()) \
-                and int(opts.get("b", 32)) >= 32 and int(opts.get("r", 1)) >= 1:
-            return Variant(text, warmup=int(parts[1]), onebit=ONEBIT[parts[0]],
-                           block=int(opts.get("b", 0)), refresh=int(opts.get("r", 0)))
+        if len(opts) == len(parts) - 2 and set(opts) <= {"b", "r", "c"} and all(v.isdigit() for v in opts.values()) \
+                and int(opts.get("b", 32)) >= 32 and int(opts.get("r", 1)) >= 1 and opts.get("c", "1") in "01":
+            return Variant(text, warmup=int(parts[1]), onebit=ONEBIT[parts[0]], block=int(opts.get("b", 0)),
+                           refresh=int(opts.get("r", 0)), bound=opts.get("c", "1") == "1")
     try:
         if parts[0] != "topk" or not 3 <= len(parts) <= 5:
             raise ValueError
@@ -99,7 +101,7 @@ def parse_variant(text: str) -> Variant:
     except ValueError:
         raise SystemExit(f"--variant {text!r}: expected 'dense', 'topk:RATIO:WARMUP[:VALUES[:INDICES]]' "
                          "(0 < RATIO <= 1, WARMUP >= 0, VALUES fp32|bf16|int8, INDICES int32|block16) "
-                         "'onebit[-grad|-pre]:WARMUP[:bBLOCK][:rREFRESH]' or 'frozen:WARMUP[:rREFRESH]' "
+                         "'onebit[-grad|-pre]:WARMUP[:bBLOCK][:rREFRESH][:c0]' or 'frozen:WARMUP[:rREFRESH][:c0]' "
                          "(WARMUP, REFRESH > 0, BLOCK >= 32), e.g. topk:0.01:200, "
                          "topk:0.05:100:int8:block16, onebit:200 or onebit:200:b256:r100")
     return Variant(text, ratio, warmup, codec)
@@ -180,7 +182,7 @@ def run_onebit(job: Job, variant: Variant, steps: int, seed: int, ranks: int, da
             # of it at fp32: at two ranks, n/8 bytes against the n*4 the dense baseline counts.
             sent += dense if variant.onebit == "none" else \
                 sum(payload_bytes(m.numel(), variant.block) for m in momentum) * ranks
-            _frozen_step(opt, buckets, momentum)
+            _frozen_step(opt, buckets, momentum, variant.bound)
         if sched is not None:
             sched.step()
     after = steps - variant.warmup
@@ -220,11 +222,11 @@ def _clipped(grads: List[torch.Tensor], clip: float) -> List[torch.Tensor]:
     return [g * (clip / (norm + 1e-6)) for g in grads] if norm > clip else grads
 
 
-def _frozen_step(opt, buckets, momentum: List[torch.Tensor]) -> None:
+def _frozen_step(opt, buckets, momentum: List[torch.Tensor], bound: bool) -> None:
     """The engine's frozen-variance step (zero/frozen.py) with `momentum` as the new momentum: the
     optimizer's own state, bias corrections, decoupled decay per group and unseen-element mask."""
     set_grads(buckets, momentum)
-    step_frozen_variance(opt, momentum_given=True)
+    step_frozen_variance(opt, momentum_given=True, bound=bound)
 
 
 def main(argv: Optional[List[str]] = None) -> List[dict]:

@@ -215,6 +215,12 @@ class CompressionConfig:
     gradient is clipped by its own norm before the exchange). gradient: each rank's gradient, averaged by the shard owners,
     which works at every stage but loses more quality. auto: momentum where it can run, else
     gradient."""
+    update_bound: bool = True
+    """onebit: once the variance is frozen, read each element's variance as at least its
+    momentum's square (E[g^2] >= E[g]^2), so that no element moves more than the learning rate
+    in a step. A variance frozen while an element's gradients were small otherwise multiplies
+    its later updates (30-80x Adam's largest, measured on an LM's embeddings and attention
+    weights). false: 1-bit Adam's update as published."""
     max_quality_loss: Optional[float] = checked(0.03, ge=0)
     """auto: the driver never tries a setting whose recorded validation-loss gap against dense
     exceeds this fraction (cluster/quality_record.py); null: no limit."""

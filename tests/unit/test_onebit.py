@@ -211,3 +211,31 @@ def test_block_scales_are_each_blocks_rms_and_one_block_is_encode():
         assert torch.allclose(got[a:b], torch.sign(part) * part.norm() / (b - a) ** 0.5)
     assert torch.equal(encode_blocks(x, 0), encode(x)[1]) and torch.equal(encode_blocks(x, 70), encode(x)[1])
     assert payload_bytes(70, 32) == 9 + 3 * 4 and payload_bytes(70) == payload_bytes(70, 100) == 9 + 4
+
+
+def test_the_update_bound_caps_each_element_at_lr_and_leaves_fitting_variances_alone():
+    """update_bound: a variance frozen while an element's gradient was small would turn a later
+    large momentum into a step of many times lr; read as at least m_hat^2, it moves lr at most.
+    An element whose sqrt(v_hat) already exceeds |m_hat| steps exactly as without the bound."""
+    def stepped(bound):
+        p = torch.nn.Parameter(torch.zeros(2))
+        opt = torch.optim.AdamW([p], lr=0.1, betas=(0.9, 0.95), weight_decay=0.0)
+        p.grad = torch.tensor([1e-4, 1.0])  # element 0 freezes with a tiny variance
+        opt.step()
+        before = p.detach().clone()
+        p.grad = torch.tensor([2.0, 0.1])  # its momentum grows; element 1's fits its variance
+        step_frozen_variance(opt, momentum_given=True, bound=bound)
+        return (p.detach() - before).abs()
+    free, bounded = stepped(False), stepped(True)
+    assert free[0] > 100 * 0.1  # the published update: thousands of lr
+    torch.testing.assert_close(bounded[0], torch.tensor(0.1))  # |m_hat| / |m_hat| * lr
+    assert torch.equal(bounded[1], free[1]) and 0 < bounded[1] < 0.1
+
+
+def test_onebit_takes_the_update_bound_from_the_config():
+    from hybrid_ray.engine.compression import build_compressor
+    base = {"train_batch_size": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    for given, want in [({}, True), ({"update_bound": False}, False)]:
+        gc = {"type": "onebit", "warmup_steps": 5, **given}
+        cfg = load_config({**base, "gradient_compression": gc})
+        assert build_compressor(cfg.gradient_compression).update_bound is want

@@ -45,7 +45,7 @@ def build_compressor(gc, momentum_obstacle: str = "") -> Optional[ErrorFeedback]
         return PowerSGD(gc.rank, gc.warmup_steps, gc.error_feedback)
     if gc.type == "onebit":
         momentum = gc.form == "momentum" or (gc.form == "auto" and not momentum_obstacle)
-        return (OneBitMomentum if momentum else OneBit)(gc.warmup_steps, gc.error_feedback)
+        return (OneBitMomentum if momentum else OneBit)(gc.warmup_steps, gc.error_feedback, gc.update_bound)
     return None
 
 

@@ -142,9 +142,10 @@ class OneBit(ErrorFeedback):
     residual), in one all_gather, as 1-bit Adam's compressed all-reduce does.
     """
 
-    def __init__(self, warmup_steps: int, error_feedback: bool = True):
+    def __init__(self, warmup_steps: int, error_feedback: bool = True, update_bound: bool = True):
         super().__init__(warmup_steps, error_feedback)
         self.server: Dict[BucketKey, torch.Tensor] = {}  # stage 0: residuals of the served chunk
+        self.update_bound = update_bound  # the frozen step's (zero/frozen.py `bound`)
 
     @property
     def freezes_variance(self) -> bool:

@@ -59,8 +59,8 @@ class OneBitMomentum(OneBit):
 
     sends_momentum = True
 
-    def __init__(self, warmup_steps: int, error_feedback: bool = True):
-        super().__init__(warmup_steps, error_feedback)
+    def __init__(self, warmup_steps: int, error_feedback: bool = True, update_bound: bool = True):
+        super().__init__(warmup_steps, error_feedback, update_bound)
         self.source: Optional[MomentumSource] = None  # bound by the ZeroOptimizer
         self.shared: Dict[BucketKey, torch.Tensor] = {}  # M of the last applied step: wire rows
         self._next: Dict[BucketKey, torch.Tensor] = {}  # this step's, kept if the step applies

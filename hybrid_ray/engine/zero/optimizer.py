@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from .. import comm
 from .flat import FlatSpace
-from .frozen import OptimizerMomentum, check_freezable, step_frozen_variance
+from .frozen import FrozenStep, OptimizerMomentum, check_freezable, step_frozen_variance
 from .offload import frozen_hyperparameters
 from .overlap import ParamGatherOverlap
 from .reducer import GradReducer
@@ -50,7 +50,7 @@ class Update:
     grads: List[torch.Tensor]  # the reduced master gradients, per space, still scaled
     coef: float  # what unscales and clips them
     optimizer: torch.optim.Optimizer  # a view with the step's hyperparameters frozen
-    frozen: str = ""  # 1-bit: "variance" (frozen) or "momentum" (frozen, the grads are the momentum)
+    frozen: Optional[FrozenStep] = None  # 1-bit: Adam's variance frozen (and how the step runs)
 
 
 class ZeroOptimizer:
@@ -198,7 +198,8 @@ class ZeroOptimizer:
             return StepOutcome(applied=False, overflow=True, grad_norm=grad_norm), 0.0
         coef = 1.0 / divisor
         # A 1-bit momentum step's "gradients" are the momentum, its ranks clipped before sending.
-        if clip > 0 and grad_norm > clip and self._frozen_variance() != "momentum":
+        frozen = self._frozen_variance()
+        if clip > 0 and grad_norm > clip and not (frozen and frozen.momentum_given):
             coef *= clip / (grad_norm + 1e-6)
         return StepOutcome(applied=True, overflow=False, grad_norm=grad_norm), coef
 
@@ -216,17 +217,17 @@ class ZeroOptimizer:
             self.write_back()
         return outcome
 
-    def _frozen_variance(self) -> str:
-        """"variance" when this step's gradients came through a 1-bit exchange, "momentum" when
-        that exchange delivered the momentum itself, else "" (decided before the compressor's
-        on_step advances it)."""
+    def _frozen_variance(self) -> Optional[FrozenStep]:
+        """How the step runs when this step's gradients came through a 1-bit exchange (with
+        momentum_given when that exchange delivered the momentum itself), else None (decided
+        before the compressor's on_step advances it)."""
         c = self.reducer.compressor
         if c is None or not self.reducer.distributed or not getattr(c, "freezes_variance", False):
-            return ""
-        return "momentum" if getattr(c, "sends_momentum", False) else "variance"
+            return None
+        return FrozenStep(getattr(c, "sends_momentum", False), c.update_bound)
 
     def _update(self, grads: List[torch.Tensor], coef: float, optimizer: torch.optim.Optimizer,
-                frozen: str = "") -> None:
+                frozen: Optional[FrozenStep] = None) -> None:
         """Unscale and clip the gradients, step the optimizer (in the DPU thread: no collectives)."""
         if self.offload is not None:
             self.offload.wait_uploads()  # a pinned master may still be the source of an upload
@@ -332,7 +333,7 @@ class ZeroOptimizer:
 
 
 def step_masters(masters: List[torch.Tensor], grads: List[torch.Tensor], coef: float,
-                 optimizer: torch.optim.Optimizer, frozen: str = "") -> None:
+                 optimizer: torch.optim.Optimizer, frozen: Optional[FrozenStep] = None) -> None:
     """Scale the gradients by `coef` (unscale and clip, in place) and step `optimizer` over the
     masters with them (`frozen`: Adam's variance left as it is, frozen.py). Replicas in replay
     mode step a buddy's copy with this same function, so that copy and shard stay bitwise equal
@@ -342,7 +343,7 @@ def step_masters(masters: List[torch.Tensor], grads: List[torch.Tensor], coef: f
     for master, grad in zip(masters, grads):
         master.grad = grad
     try:
-        step_frozen_variance(optimizer, frozen == "momentum") if frozen else optimizer.step()
+        step_frozen_variance(optimizer, *frozen) if frozen is not None else optimizer.step()
     finally:
         for master in masters:
             master.grad = None
