@@ -234,7 +234,8 @@ def main(argv: Optional[List[str]] = None) -> List[dict]:
     ap.add_argument("--config", default="jobs/configs/quality.json")
     ap.add_argument("--variant", action="append", default=None)
     ap.add_argument("--steps", type=int, default=None, help="default: the job's train.steps")
-    ap.add_argument("--seeds", type=int, default=3, help="seeds per variant: the job's, then +1, ...")
+    ap.add_argument("--seeds", type=int, default=3, help="seeds per variant: the first, then +1, ...")
+    ap.add_argument("--seed", type=int, default=None, help="the first seed (default: the job's engine.seed)")
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--allow-repeat", action="store_true", help="let a run see its text more than once")
@@ -248,7 +249,8 @@ def main(argv: Optional[List[str]] = None) -> List[dict]:
         variants.insert(0, Variant("dense"))
     job = load_job(args.config)
     steps = args.steps or job.train.steps
-    seeds = [(job.engine.seed or 0) + i for i in range(args.seeds)]
+    first = args.seed if args.seed is not None else (job.engine.seed or 0)
+    seeds = [first + i for i in range(args.seeds)]
     tasks = [(job, v, steps, s, args.ranks, args.allow_repeat) for v in variants for s in seeds]
     results = _run_all(tasks, job, args.device, args.workers)
     corpus = corpus_record(job)

@@ -131,3 +131,16 @@ def test_a_variance_refresh_is_a_dense_adamw_step_between_frozen_ones(job_file, 
     assert len({res[v]["val_loss"][0] for v in ("dense", "frozen:1", "frozen:1:r1")}) == 3
     after = 4 / (1 + 3 / 32)  # steps 1-4 after the warm-up: step 3 a refresh at fp32, 3 at one bit
     assert res["onebit:1:r2"]["bytes_ratio_after_warmup"] == pytest.approx(after, rel=0.03)
+
+
+def test_the_published_update_and_the_first_seed_are_options(job_file, tmp_path):
+    """':c0' drops the engine's update_bound (1-bit Adam as published): same bytes, another
+    loss; --seed moves the seeds the rows name and the runs they make."""
+    study = load_study()
+    args = ["--config", str(job_file), "--steps", "4", "--device", "cpu", "--seeds", "1", "--out", str(tmp_path / "q.jsonl")]
+    rows = study.main(args + ["--variant", "frozen:1", "--variant", "frozen:1:c0"])
+    res = {r["variant"]: r for r in rows}
+    assert res["frozen:1"]["val_loss"] != res["frozen:1:c0"]["val_loss"]
+    assert study.parse_variant("onebit:200:c0").bound is False and study.parse_variant("onebit:200").bound
+    moved = study.main(args + ["--seed", "77"])
+    assert moved[0]["seeds"] == [77] and moved[0]["val_loss"] != rows[0]["val_loss"]
