@@ -18,7 +18,7 @@ uncompressed parameter all-gather included). Settings:
             refuses it)
   onebit    gradient_compression onebit (1-bit Adam: one bit per element and a scale per
             slice; one dense warm-up step, taken among the untimed ones), form auto: the
-            momentum form at ZeRO 0-1, the gradient form at 2-3
+            momentum form at ZeRO 0-2, the gradient form at 3
   onebit-grad  the same with form gradient (each rank's gradient, at every stage)
 
 --link netns (the default on CPU): two network namespaces joined by a veth pair, each end

@@ -144,13 +144,13 @@ class Config:
 
     def onebit_momentum_obstacle(self) -> str:
         """Why onebit's momentum form cannot run with this config ('' when it can): every rank
-        needs its whole window gradient (stages 0-1) and the whole model's norm for its clip (no
+        needs its whole window gradient (stages 0-2) and the whole model's norm for its clip (no
         tensor or pipeline split), the owner's momentum must be current when
         the exchange reads it (no delayed update), and Adam's L2 decay would enter the gradient
         after the momentum is formed (AdamW's decoupled decay is applied at the step)."""
         zero = self.zero_optimization
-        if zero.stage >= 2:
-            return f"ZeRO stage {zero.stage} (stages 0-1 only)"
+        if zero.stage >= 3:
+            return f"ZeRO stage {zero.stage} (stages 0-2 only)"
         if self.tensor_model_parallel_size > 1 or self.pipeline_model_parallel_size > 1:
             return "tensor or pipeline parallelism (each rank clips by its own norm: a replica's spans ranks)"
         if zero.offload_optimizer.delayed_param_update:

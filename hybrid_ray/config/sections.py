@@ -210,7 +210,7 @@ class CompressionConfig:
     next reduction."""
     form: Literal["auto", "momentum", "gradient"] = "auto"
     """onebit: what travels at one bit after the warm-up. momentum: each rank's momentum, as in
-    1-bit Adam (the form that stays closest to dense Adam; ZeRO stages 0-1, AdamW or Adam
+    1-bit Adam (the form that stays closest to dense Adam; ZeRO stages 0-2, AdamW or Adam
     without weight_decay, no delayed_param_update, no tensor or pipeline split; each rank's
     gradient is clipped by its own norm before the exchange). gradient: each rank's gradient, averaged by the shard owners,
     which works at every stage but loses more quality. auto: momentum where it can run, else

@@ -1,4 +1,4 @@
-"""The LM job on a real local Ray with 1-bit Adam in its momentum form (ZeRO-1, two workers): a
+"""The LM job on a real local Ray with 1-bit Adam in its momentum form (the job's ZeRO-2, two workers): a
 worker killed after the warm-up is replaced, the run resumes from its checkpoint still past the
 warm-up (compressing, variance frozen: no second dense warm-up), every step after the warm-up
 sends one bit per element, and it ends trained."""
@@ -16,7 +16,7 @@ WARMUP = 4
 
 def test_onebit_momentum_lm_job_survives_a_lost_worker_and_keeps_compressing(ray_session, data, tmp_path):  # noqa: F811
     raw = job(data, tmp_path / "onebit")
-    raw["engine"]["zero_optimization"] = {"stage": 1}
+    raw["engine"]["zero_optimization"] = {"stage": 2}  # the job's own; "auto" takes the momentum form
     raw["engine"]["gradient_clipping"] = 1.0
     raw["engine"]["steps_per_print"] = 1
     raw["engine"]["gradient_compression"] = {"type": "onebit", "warmup_steps": WARMUP}

@@ -1,5 +1,5 @@
 """The LM job with top-k 0.01 gradient compression (error feedback, density warm-up) and with
-1-bit Adam (onebit, gradient form at ZeRO-2, momentum form at ZeRO-1) on 2 gloo ranks through
+1-bit Adam (onebit: its momentum form, "auto" at ZeRO-2, and its gradient form) on 2 gloo ranks through
 jobs/train_lm.py: it trains, and once the warm-up is over each rank hands >= 30x fewer gradient
 bytes per step to collectives than the dense reduction would (indices and scales counted; >= 20x
 for the momentum form, whose served chunks go back in an all_gather too).
@@ -22,9 +22,9 @@ STEPS, WARMUP = 40, 10
 
 @pytest.mark.parametrize("compression, stage, ratio", [
     ({"type": "topk", "topk_ratio": 0.01, "warmup_steps": WARMUP}, 2, 30),
-    ({"type": "onebit", "warmup_steps": WARMUP}, 2, 30),
-    # the momentum form ("auto" at stage 1) also hands each served chunk to an all_gather
-    ({"type": "onebit", "warmup_steps": WARMUP}, 1, 20)], ids=["topk", "onebit", "onebit-momentum"])
+    ({"type": "onebit", "warmup_steps": WARMUP, "form": "gradient"}, 2, 30),
+    # the momentum form ("auto" at stages 0-2) also hands each served chunk to an all_gather
+    ({"type": "onebit", "warmup_steps": WARMUP}, 2, 20)], ids=["topk", "onebit-gradient", "onebit-momentum"])
 def test_compressed_lm_job_trains_and_sends_30x_fewer_bytes(tmp_path, compression, stage, ratio):
     job = tiny_job(tmp_path / "data", tmp_path / "run", steps=STEPS, eval_interval=STEPS, sample_tokens=0)
     job["engine"]["steps_per_print"] = 5

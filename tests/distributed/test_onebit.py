@@ -207,9 +207,9 @@ def test_after_the_warm_up_variance_is_frozen_and_bytes_fall_32x(results, stage)
         dense_rec = res[stage]["dense"]["record"]
         for v0, v1 in zip(rec[WARMUP - 1]["variance"], dense_rec[WARMUP - 1]["variance"]):
             assert torch.equal(v0, v1)  # the warm-up estimated the dense run's variance
-        # stage 0 (and the momentum form "auto" picks at stage 1) hands each served chunk to an
-        # all_gather as well: 1/8 + 1/16 of the fp32 bytes at two ranks
-        assert rec[-1]["stats"]["ratio"] >= (20 if stage <= 1 else 28), rec[-1]["stats"]
+        # stage 0 (and the momentum form "auto" picks at stages 1-2) hands each served chunk to
+        # an all_gather as well: 1/8 + 1/16 of the fp32 bytes at two ranks
+        assert rec[-1]["stats"]["ratio"] >= (20 if stage <= 2 else 28), rec[-1]["stats"]
     # Every rank applied the same update and the model still learns.
     for a, b in zip(results[0][stage]["onebit"]["params"], results[1][stage]["onebit"]["params"]):
         assert torch.equal(a, b)

@@ -3,9 +3,10 @@
 The exchange against an in-process reference of 1-bit Adam's two-level momentum average built
 from the same codec (seeded from the optimizer's momentum, then carrying its own; each rank's
 gradient clipped by its own norm across every bucket; error feedback at both levels), and the
-engine at stages 0 and 1: "auto" picks this form, the optimizer's momentum is the decoded
-average every rank holds, ranks stay equal, an fp16 overflow after the warm-up keeps the last
-average, and the gradient form is still there when asked for.
+engine at stages 0-2: "auto" picks this form, the optimizer's momentum is the decoded
+average every rank holds, ranks stay equal, stage 2 (which then reduces at the window's
+boundary) trains bit for bit as stage 1 with and without gradient accumulation, an fp16 overflow
+after the warm-up keeps the last average, and the gradient form is still there when asked for.
 """
 from __future__ import annotations
 
@@ -132,8 +133,9 @@ def reference(sizes, whole: bool, clip: float, scale: float, steps: int = 3) -> 
     return results
 
 
-def make_engine(stage: int, form: str = "auto", fp16: bool = False) -> Engine:
+def make_engine(stage: int, form: str = "auto", fp16: bool = False, gas: int = 1) -> Engine:
     cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": 1.0,
+           "gradient_accumulation_steps": gas,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
            "gradient_compression": {"type": "onebit", "warmup_steps": WARMUP, "form": form},
            "zero_optimization": {"stage": stage, "reduce_bucket_size": 1500}}
@@ -176,6 +178,19 @@ def train(rank: int, stage: int, form: str = "auto", fp16: bool = False, poisone
     out = {"record": record, "params": full_params(engine), "kind": type(engine.reducer.compressor).__name__}
     engine.close()
     return out
+
+
+def accumulated(rank: int, stage: int, gas: int) -> list:
+    """Parameters after STEPS optimizer steps of `gas` micro-batches each."""
+    engine = make_engine(stage, gas=gas)
+    for micro in range(STEPS * gas):
+        x, y = batch(micro, rank)
+        engine.backward(nn.functional.mse_loss(engine(x), y))
+        engine.step()
+    assert engine.global_steps == STEPS and type(engine.reducer.compressor).__name__ == "OneBitMomentum"
+    params = full_params(engine)
+    engine.close()
+    return params
 
 
 def resume_run(rank: int, out: str) -> dict:
@@ -221,8 +236,9 @@ def resume_run(rank: int, out: str) -> dict:
 
 def run_all(rank: int, world: int, out: str) -> None:
     res = {"exchange": exchange_run(rank), "resume": resume_run(rank, str(Path(out) / "ckpt"))}
-    for stage in (0, 1):
+    for stage in (0, 1, 2):
         res[stage] = {"auto": train(rank, stage), "gradient": train(rank, stage, "gradient")}
+    res["gas"] = {stage: accumulated(rank, stage, 2) for stage in (1, 2)}
     res["fp16"] = train(rank, 1, fp16=True, poisoned=WARMUP + 1)
     spawn.save_result(out, rank, res)
 
@@ -247,7 +263,7 @@ def test_exchange_equals_the_two_level_momentum_reference(results, case):
     assert results[0]["exchange"][case]["sent"] == 2 * ((n // 2 + 7) // 8 + 4) + -(-((n // 2 + 7) // 8 + 4) // 4) * 4
 
 
-@pytest.mark.parametrize("stage", [0, 1])
+@pytest.mark.parametrize("stage", [0, 1, 2])
 def test_auto_picks_the_momentum_form_and_the_optimizer_holds_the_shared_average(results, stage):
     for res in results:
         auto = res[stage]["auto"]
@@ -262,6 +278,17 @@ def test_auto_picks_the_momentum_form_and_the_optimizer_holds_the_shared_average
             assert torch.equal(a, b)
         losses = [r["loss"] for r in results[0][stage][form]["record"]]
         assert losses[-1] < losses[0], (form, losses)
+
+
+def test_stage_2_trains_as_stage_1_with_and_without_accumulation(results):
+    """After the warm-up stage 2 holds each rank's whole window gradient (the momentum term
+    needs it) and reduces at the boundary: the same exchange, bit for bit."""
+    for res in results:
+        for a, b in zip(res[1]["auto"]["params"], res[2]["auto"]["params"]):
+            assert torch.equal(a, b)
+        for a, b in zip(res["gas"][1], res["gas"][2]):
+            assert torch.equal(a, b)
+        assert not all(torch.equal(a, b) for a, b in zip(res["gas"][2], res[2]["auto"]["params"]))
 
 
 def test_an_overflow_after_the_warm_up_keeps_the_last_average(results):

@@ -269,7 +269,8 @@ def test_set_gradient_compression_switches_between_steps_only():
     engine.set_gradient_compression({"type": "powersgd", "rank": 2, "warmup_steps": 1})
     assert engine.gradient_compression == {"type": "powersgd", "topk_ratio": 0.01, "topk_values": "fp32",
                                            "topk_indices": "int32", "rank": 2, "warmup_steps": 1,
-                                           "error_feedback": True, "form": "auto", "max_quality_loss": 0.03}
+                                           "error_feedback": True, "form": "auto", "update_bound": True,
+                                           "max_quality_loss": 0.03}
     assert engine.config.gradient_compression.rank == 2
     micro_step(engine)
     with pytest.raises(RuntimeError, match="inside a gradient accumulation window"):

@@ -110,7 +110,7 @@ def test_frozen_step_needs_a_warm_up_and_an_adam():
     ({"gradient_compression": {"type": "onebit", "warmup_steps": 5},
       "fault_tolerance": {"replicas": 1, "mode": "replay"}}, r"'onebit' with 'replay'"),
     ({"gradient_compression": {"type": "onebit", "warmup_steps": 5, "form": "momentum"},
-      "zero_optimization": {"stage": 2}}, r"gradient_compression\.form: .*ZeRO stage 2.*use form 'gradient'"),
+      "zero_optimization": {"stage": 3}}, r"gradient_compression\.form: .*ZeRO stage 3.*use form 'gradient'"),
     ({"gradient_compression": {"type": "onebit", "warmup_steps": 5, "form": "momentum"},
       "optimizer": {"type": "Adam", "params": {"weight_decay": 0.1}}}, r"gradient_compression\.form: .*weight_decay"),
     ({"gradient_compression": {"type": "onebit", "warmup_steps": 5, "form": "momentum"},
@@ -125,7 +125,7 @@ def test_config_refuses_what_onebit_cannot_do(cfg, match):
 
 @pytest.mark.parametrize("extra, kind", [
     ({"zero_optimization": {"stage": 0}}, "OneBitMomentum"), ({"zero_optimization": {"stage": 1}}, "OneBitMomentum"),
-    ({"zero_optimization": {"stage": 2}}, "OneBit"), ({"zero_optimization": {"stage": 3}}, "OneBit"),
+    ({"zero_optimization": {"stage": 2}}, "OneBitMomentum"), ({"zero_optimization": {"stage": 3}}, "OneBit"),
     ({"optimizer": {"type": "Adam", "params": {"weight_decay": 0.1}}}, "OneBit"),
     ({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu", "delayed_param_update": True}}}, "OneBit"),
     ({"pipeline_model_parallel_size": 2}, "OneBit"),

@@ -24,7 +24,11 @@ M is kept in the reducer's units (loss-scaled sums over ranks) and rescaled with
 scale. It is not checkpointed: when a rank has no M (the first compressed step, or after a
 resume at any world size) the owners add beta1 times their optimizer's momentum slice instead,
 which is the same quantity, exactly. Because every rank needs all of M, this form costs the
-all_gather at stages 1-2 too, and it needs each rank's whole window gradient: stages 0 and 1.
+all_gather at stages 1-2 too, and it needs each rank's whole window gradient: at stage 2 the
+reducer then lets autograd sum a window's micro-batches into .grad and sends the buckets at the
+boundary (`needs_whole_window`), as stage 1 does, warm-up included, so gradient memory is
+stage 1's. Stage 3 (parameters gathered and released during backward, collectives finished early to
+bound memory) is not supported.
 """
 from __future__ import annotations
 
@@ -55,7 +59,7 @@ _Stashed = Tuple[BucketKey, torch.Tensor, int, int, Optional[dist.ProcessGroup]]
 
 
 class OneBitMomentum(OneBit):
-    """OneBit's warm-up, then the momentum exchange above (ZeRO stages 0 and 1)."""
+    """OneBit's warm-up, then the momentum exchange above (ZeRO stages 0-2)."""
 
     sends_momentum = True
 
@@ -67,6 +71,11 @@ class OneBitMomentum(OneBit):
         self._stash: List[_Stashed] = []
         self._results: Dict[BucketKey, torch.Tensor] = {}
         self._group: Optional[dist.ProcessGroup] = None  # the exchanges' group (fold_debt's)
+
+    # Each rank's momentum term is its whole window's gradient. Asked of the reducer in the
+    # warm-up too: the same reduction order then (stage 2 equals stage 1 bit for bit), and
+    # stage 1's gradient memory, which the compressed steps need anyway.
+    needs_whole_window = True
 
     def on_step(self, overflow: bool, scale_ratio: float) -> None:
         super().on_step(overflow, scale_ratio)

@@ -212,8 +212,11 @@ class GradReducer:
             g.release_master_grad()
 
     def before_backward(self, boundary: bool) -> None:
-        """Arm the bucket hooks when this backward must reduce (stage 2: every micro-batch)."""
-        self._armed = self.streams and (boundary or self.partitioned_grads)
+        """Arm the bucket hooks when this backward must reduce (stage 2: every micro-batch,
+        unless the compressor needs each rank's whole window gradient: then autograd sums the
+        micro-batches into .grad and the buckets go at the boundary, as at stage 1)."""
+        whole = self.compressor is not None and getattr(self.compressor, "needs_whole_window", False)
+        self._armed = self.streams and (boundary or (self.partitioned_grads and not whole))
         for g in self.grads:
             g.pending = {b.index: len(b.params) for b in g.space.buckets}
 
