@@ -3,7 +3,8 @@
     python jobs/bench_recovery.py            # 2 CPU workers, the 'small' GPT, rank 1 exits at step 13
     python jobs/bench_recovery.py --out benchmarks/runs/<date>-recovery-cpu.jsonl   # rows as JSON too
 
-Five ways, the same fault: ours restarting from its newest checkpoint; ours with buddy replicas
+With --workers 1 (no buddy) the replicas live on the warm spare instead (cluster/spare_copies.py):
+"replicas on the spare" is that way. Five ways at 2 or more workers, the same fault: ours restarting from its newest checkpoint; ours with buddy replicas
 (fault_tolerance.replicas: the lost shard comes from the survivor's memory); the same with one
 warm spare (a started actor, imports done, replaces the lost one); the same in replay mode (the
 buddy steps its copy with each step's gradient instead of receiving it); Ray Train.
@@ -37,6 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 STEPS, EVERY, FAULT_STEP, BATCH = 30, 5, 13, 8
 MODEL, GPU = "small", False  # --model, --device cuda (set in main; the workers get them pickled)
+COPY_INTERVAL = 1  # --copy-interval: fault_tolerance.copy_interval of the copy-mode ways
 
 
 def _log(path: str, **rec) -> None:
@@ -61,7 +63,8 @@ def _engine(topology, replicas=False):
            "zero_optimization": {"stage": 2}, "gradient_clipping": 1.0,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
            "fault_tolerance": {"replicas": int(bool(replicas)),
-                               "mode": replicas if isinstance(replicas, str) else "copy"},
+                               "mode": replicas if isinstance(replicas, str) else "copy",
+                               **({} if isinstance(replicas, str) else {"copy_interval": COPY_INTERVAL})},
            "bf16": {"enabled": GPU}, "checkpoint": {"async_save": GPU}}
     from hybrid_ray.cluster.context import warmed
     model = warmed().pop("bench_model", None)
@@ -221,7 +224,7 @@ def _python_path() -> str:
 
 
 def main() -> None:
-    global STEPS, EVERY, FAULT_STEP, MODEL, GPU
+    global STEPS, EVERY, FAULT_STEP, MODEL, GPU, COPY_INTERVAL
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=None, help="append one JSON row per way to this file")
     p.add_argument("--skip-ray-train", action="store_true", help="leave Ray Train's row out")
@@ -234,9 +237,12 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=STEPS)
     p.add_argument("--every", type=int, default=EVERY, help="checkpoint interval")
     p.add_argument("--fault-step", type=int, default=FAULT_STEP)
+    p.add_argument("--copy-interval", type=int, default=COPY_INTERVAL,
+                   help="fault_tolerance.copy_interval of the copy-mode ways")
     args = p.parse_args()
     lose = tuple(int(r) for r in args.lose.split(","))
     STEPS, EVERY, FAULT_STEP, MODEL, GPU = args.steps, args.every, args.fault_step, args.model, args.device == "cuda"
+    COPY_INTERVAL = args.copy_interval
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
     from hybrid_ray.cluster.local import start_local
@@ -249,6 +255,9 @@ def main() -> None:
         rows["hybrid_ray, replicas"] = run_ours(work, "replicas", replicas=True, **n)
     rows[f"hybrid_ray, {'replicas' if args.workers > 1 else 'checkpoint'} + {len(lose)} spare(s)"] = \
         run_ours(work, "spare", replicas=args.workers > 1, spares=len(lose), **n)
+    if args.workers == 1:  # no buddy: the spare holds the lone worker's copies
+        rows[f"hybrid_ray, replicas on the spare + {len(lose)} spare(s)"] = \
+            run_ours(work, "spare-copy", replicas=True, spares=len(lose), **n)
     if args.workers > 1:  # the buddy steps its copy with each step's gradient instead
         rows[f"hybrid_ray, replay + {len(lose)} spare(s)"] = \
             run_ours(work, "replay", replicas="replay", spares=len(lose), **n)

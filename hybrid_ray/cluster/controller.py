@@ -202,6 +202,7 @@ class Controller:
         self.sleep(self.failure.poll_interval_s)
         status = self.group.poll(timeout_s=max(5.0, self.failure.poll_interval_s * 4))
         self._forward(status)
+        self.group.feed_spares(status)
         now, watch = self.clock(), self._watch
         if not status.lost and watch.observe(status, now):
             self._note_recovery(watch.newest)

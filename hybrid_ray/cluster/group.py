@@ -30,6 +30,7 @@ class WorkerGroup:
         self._placement_groups: Dict[int, Any] = {}  # replica -> its placement group (replica_size > 1)
         self.spares: List[Member] = []  # started and warming or waiting (keep_spares)
         self._warming: Dict[int, Any] = {}  # spare index -> its warm() reply
+        self._fed: Any = None  # (lone member, spares) last told to Worker.set_spares
 
     # ---- room in the cluster -----------------------------------------------------------
     def can_add(self) -> int:
@@ -159,6 +160,17 @@ class WorkerGroup:
         self.spares.clear()
 
     # ---- one generation ------------------------------------------------------------------
+    def feed_spares(self, status: PollStatus) -> None:
+        """A lone worker feeds its replica copies to the warm spares itself (spare_copies.py):
+        tell it who they are whenever that changes, and a larger group's members that it is over."""
+        alone = len(self.members) == 1 and self.spares
+        key = (self.members[0].index, tuple(s.index for s in self.spares)) if alone else None
+        if key == self._fed:
+            return
+        self._fed = key
+        for m in self.members:
+            self.tell(m, "set_spares", [s.handle for s in self.spares] if alone else [])
+
     def rendezvous_port(self, member: Member) -> Optional[int]:
         """A free TCP port on `member`'s host for the group's rendezvous; None if it is gone."""
         try:

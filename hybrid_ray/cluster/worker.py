@@ -20,9 +20,11 @@ import torch
 import torch.distributed as dist
 
 from hybrid_ray.engine import Topology, gloo_on_loopback, warm_up
+from hybrid_ray.engine.replicas import handoff
 
 from .context import StopTraining, WorkerContext
 from .records import Record, SystemSample
+from .spare_copies import SparePusher
 from .status import FAILED, FINISHED, IDLE, RUNNING, STOPPED
 
 
@@ -49,6 +51,7 @@ class Worker:
         self._next: Optional[Tuple[Callable, Dict[str, Any]]] = None  # prepare()'d, for launch()
         self._monitor: Any = None  # hybrid_ray.tracking.system.SystemMonitor of this node
         self._monitor_label: Optional[str] = None
+        self._pusher = SparePusher()  # a lone worker's replica copies to the warm spares
 
     # ---- identity and rendezvous -----------------------------------------------------
     def info(self) -> Dict[str, Any]:
@@ -160,6 +163,18 @@ class Worker:
         if self._records and self._records[0][0] <= ack:
             self._records = [(seq, rec) for seq, rec in self._records if seq > ack]
             self._acked.notify_all()
+
+    # ---- a warm spare's copy of a lone worker ------------------------------------------
+    def set_spares(self, handles: List[Any]) -> None:
+        """The warm spares this worker, alone in its group, feeds its replica copies to
+        (spare_copies.py); none: it stops."""
+        self._pusher.set_spares(handles)
+
+    def hold_copy(self, copy: Optional[dict]) -> int:
+        """A spare keeps a lone worker's copy in its process: the spare that replaces the worker
+        recovers from it without reading storage. The step it holds now (-1: none; None only
+        asks)."""
+        return handoff.import_copy(copy)
 
     def request_stop(self) -> None:
         """Stop at the next checkpoint boundary (growth)."""

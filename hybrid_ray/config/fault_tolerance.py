@@ -23,7 +23,8 @@ class FaultToleranceConfig:
     copy_interval: int = checked(1, ge=1)
     """Steps between copies (mode copy): a recovery redoes at most this many steps."""
     spare_workers: int = checked(0, ge=0)
-    """Actors the Ray driver keeps started and waiting, so a lost worker is replaced at once."""
+    """Actors the Ray driver keeps started and waiting, so a lost worker is replaced at once;
+    a group of one worker with replicas (mode copy) keeps its copies on them."""
     timeout_s: float = checked(60.0, gt=0)
     """Seconds a copy waits for its buddy before the exchange counts as failed."""
 

@@ -58,6 +58,9 @@ class EngineState:
         if self.replicas is not None:
             self.replicas.before_update()  # a snapshot's copy in flight reads the masters
         if self.replicas is not None and whole:
+            # Memory older than the newest checkpoint is never preferred to it: a copy handed
+            # to a spare before the last save does not know of that save.
+            self.replicas.saw_checkpoint(load_dir, self.checkpointer.newest_step(load_dir))
             step = self.replicas.recover(self.train_state(), load_dir)
             if step is not None:
                 if self.replicas.rank_state is not None:

@@ -73,6 +73,9 @@ class DummyGroup:
     def keep_spares(self, fn: Any) -> None:
         self.spares_asked = getattr(self, "spares_asked", 0) + 1
 
+    def feed_spares(self, status: Any) -> None:
+        pass
+
     def remove(self, members: List[Member]) -> None:
         gone = {m.index for m in members}
         self.members = [m for m in self.members if m.index not in gone]

@@ -322,6 +322,16 @@ class Checkpointer:
             self._log(f"loading checkpoint {chosen} instead of {first_tag}"
                       f"{' (latest)' if first_tag == latest else ''}", logging.WARNING)
 
+    def newest_step(self, path_or_uri: str) -> int:
+        """The step of the checkpoint a load without a tag would try first (-1: none), from the
+        manifests alone (no tensor is read)."""
+        try:
+            fs, root = cio.filesystem(path_or_uri)
+            first = cread.preferred(fs, root)
+        except (OSError, CheckpointError):
+            return -1
+        return first.step if first is not None else -1
+
     def load(self, path_or_uri: str, tag: Optional[str] = None, load_optimizer_states: bool = True,
              load_lr_scheduler_states: bool = True, load_module_only: bool = False
              ) -> Tuple[Optional[str], Optional[dict]]:

@@ -38,6 +38,7 @@ class Keeper:
         self._token = 0  # the ring whose updates count (begin)
         self._spare: Dict[str, Snapshot] = {}  # "own"/"held": a dropped snapshot, for its buffers
         self.pending: Optional[Any] = None  # replay: the buddy's next step (replay.Pending)
+        self._leased: set = set()  # ids of own snapshots being copied out (lease_newest_own)
 
     def start(self, run: Optional[str]) -> None:
         """A new group of this run begins snapshotting; snapshots of another run are dropped."""
@@ -133,7 +134,9 @@ class Keeper:
             for name, store in (("own", self.own), ("held", self.held)):
                 for v in [v for v, s in store.items() if (v < version and not (name == "held" and v == base))
                           or s.token != token]:
-                    self._spare[name] = store.pop(v)
+                    gone = store.pop(v)
+                    if id(gone) not in self._leased:  # a leased one is being read: no reuse
+                        self._spare[name] = gone
 
     def rewind(self, step: int) -> None:
         """The run went on from `step` (a recovery or a checkpoint load): versions after it
@@ -144,6 +147,37 @@ class Keeper:
                     del store[v]
             if self.pending is not None and self.pending.step > step:
                 self.pending = None
+
+    def lease_newest_own(self, after: int) -> Optional[Snapshot]:
+        """This rank's newest committed host copy (copy mode) newer than `after`, kept out of
+        buffer reuse until `release`: a warm spare's copy is taken from it (cluster layer)."""
+        with self._lock:
+            ok = [v for v, s in self.own.items() if after < v <= self.committed and s.full and not s.live]
+            if not ok:
+                return None
+            snap = self.own[max(ok)]
+            self._leased.add(id(snap))
+            return snap
+
+    def release(self, snap: Snapshot) -> None:
+        with self._lock:
+            self._leased.discard(id(snap))
+
+    def newest_copy(self) -> int:
+        """The newest committed version of this rank's own host copy (-1: none)."""
+        with self._lock:
+            return max((v for v, s in self.own.items() if v <= self.committed and s.full and not s.live),
+                       default=-1)
+
+    def keep_copy(self, snap: Snapshot) -> None:
+        """A warm spare's: the newest copy of a lone worker's state, held as a buddy holds its
+        predecessor's, so that the spare that replaces the worker recovers from it."""
+        with self._lock:
+            self._switch(snap.run)
+            snap.token = self._token
+            self.held.clear()
+            self.held[snap.step] = snap
+            self.committed = max(self.committed, snap.step)
 
     def recycled(self, store: str) -> Optional[Snapshot]:
         """A snapshot that a newer commit made useless, whose buffers the next one can reuse."""
@@ -208,6 +242,8 @@ def plan(summaries: List[dict], run: Optional[str]) -> Tuple[Optional[Plan], str
         if s.get("run") == run:
             for where, v in s.get("full", [(w, v) for w in ("own", "held") for v in s[w]]):
                 full.setdefault((v, s[where][v][1]), (new_rank, where))
+    if not offers:  # the run is known here (a checkpoint was seen) but no copy of it is held
+        return None, "no worker holds replicas of this run"
     complete = [(v, w) for (v, w), got in offers.items() if set(got) >= set(range(w)) and (v, w) in full]
     disk = max(s["disk_step"] for s in mine)
     if not complete:

@@ -87,7 +87,7 @@ class Replicator:
             self.keeper.rewind(step)
             self._layout = None  # the live state jumped: the buddy needs a new base
             ts.log(f"recovered step {step} from the replicas in memory in {seconds:.2f} s (no disk read)")
-        elif self.keeper.run == self.run:
+        elif self.keeper.run == self.run and why != "no worker holds replicas of this run":
             ts.log(f"replicas in memory not used: {why}; loading the newest checkpoint", logging.WARNING)
         return step
 
@@ -144,7 +144,7 @@ class Replicator:
         cached, self._rank_cache = self._rank_cache, None  # what replay_step sent (copied once)
         mine = cached[1] if cached is not None and cached[0] == step else rank_state()
         small = snap.small_state(ts, self._layout[1], mine, spec)
-        live = snap.Snapshot(step, self.rank, self.world, snap.shard_tensors(ts), small, self.run)
+        live = snap.Snapshot(step, self.rank, self.world, snap.shard_tensors(ts), small, self.run, live=True)
         self.keeper.set_live(live, self.token)
         if rebase:
             host = [{k: t.to("cpu", copy=True) for k, t in ts_.items()} for ts_ in live.tensors]

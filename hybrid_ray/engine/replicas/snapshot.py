@@ -39,6 +39,7 @@ class Snapshot:
     # steps `tensors` (replay.Stepper).
     part: Optional[bytes] = None
     stepper: Any = None
+    live: bool = False  # replay mode's own entry: the engine's tensors by reference, not a copy
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for ts in self.tensors for t in ts.values()) + len(self.small)

@@ -1,0 +1,62 @@
+"""Warm spares that hold a lone worker's newest replica copy.
+
+A group of one has no buddy: with `fault_tolerance.replicas` its worker only copies its state to
+its own host memory, which dies with it. When warm spares stand by, the driver tells the lone
+worker who they are (Worker.set_spares) and a thread of the worker pushes each newer committed
+copy to every spare (Worker.hold_copy), one push at a time; the spare that replaces the worker
+then recovers that step from its own memory. The worker pushes rather than the driver pulling
+so that the copy the spares hold trails the worker by one push, not by a poll interval. A push
+cut short by the worker's death fails on the spare, which keeps the copy it had.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, List
+
+from hybrid_ray.engine.replicas import handoff
+
+log = logging.getLogger("hybrid_ray")
+
+
+class SparePusher:
+    """The worker's side: the spares to feed, and the thread that feeds them."""
+
+    def __init__(self, interval_s: float = 0.05, timeout_s: float = 300.0) -> None:
+        self.interval_s, self.timeout_s = interval_s, timeout_s
+        self._spares: List[Any] = []
+        self._sent = -1  # the newest step every current spare took
+        self._lock = threading.Lock()
+        self._thread: Any = None
+
+    def set_spares(self, handles: List[Any]) -> None:
+        """Feed these spares from now on (none: stop feeding); a new set starts from nothing."""
+        with self._lock:
+            self._spares, self._sent = list(handles), -1
+        if handles and self._thread is None:
+            self._thread = threading.Thread(target=self._loop, daemon=True, name="hybrid-ray-spare-copies")
+            self._thread.start()
+
+    def _loop(self) -> None:
+        stop = threading.Event()
+        while not stop.wait(self.interval_s):
+            with self._lock:
+                spares, sent = list(self._spares), self._sent
+            if not spares or handoff.newest_step() <= sent:
+                continue
+            try:
+                step = self._push(spares, sent)
+            except Exception as e:  # noqa: BLE001 - a spare that went is replaced by the driver
+                log.warning("a warm spare did not take this worker's replica copy: %s", str(e)[:200])
+                continue
+            with self._lock:
+                if self._spares == spares:
+                    self._sent = max(self._sent, step)
+
+    def _push(self, spares: List[Any], after: int) -> int:
+        import ray
+        copy = handoff.export_newest(after)
+        if copy is None:
+            return after
+        ray.get([s.hold_copy.remote(copy) for s in spares], timeout=self.timeout_s)
+        return copy["step"]
