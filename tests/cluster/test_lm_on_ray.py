@@ -48,15 +48,20 @@ def fit(raw: dict, kill_at: int = None, spares: int = 0, min_workers: int = 1):
                              storage_path=os.path.dirname(out), run_name=os.path.basename(out))
     if kill_at is None:
         return trainer.fit()
+    return fit_killing(trainer, lambda c: c._last_step >= kill_at, victim=1)
+
+
+def fit_killing(trainer: ElasticTrainer, ready, victim: int):
+    """trainer.fit(), with member `victim`'s actor killed once ready(controller) says so."""
     box = {}
     t = threading.Thread(target=lambda: box.setdefault("r", trainer.fit()))
     t.start()
     import ray
     deadline = time.monotonic() + 200
-    while trainer.controller is None or trainer.controller._last_step < kill_at:
+    while trainer.controller is None or not ready(trainer.controller):
         assert time.monotonic() < deadline
-        time.sleep(0.1)
-    ray.kill(trainer.controller.group.members[1].handle, no_restart=True)
+        time.sleep(0.05)
+    ray.kill(trainer.controller.group.members[victim].handle, no_restart=True)
     t.join(400)
     return box["r"]
 

@@ -7,14 +7,12 @@ from __future__ import annotations
 
 import os
 import re
-import threading
-import time
 
 import pytest
 
 from hybrid_ray.cluster import ElasticTrainer, FailureConfig, ScalingConfig
 from hybrid_ray.lm.elastic import LMTrainFn
-from tests.cluster.test_lm_on_ray import data, job  # noqa: F401 - data is a fixture
+from tests.cluster.test_lm_on_ray import data, fit_killing, job  # noqa: F401 - data is a fixture
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -32,22 +30,17 @@ def lone(data, out, spares: int, later: int = None):  # noqa: F811
                              storage_path=os.path.dirname(out), run_name=os.path.basename(out))
     if later is None:
         return trainer.fit()
-    box = {}
-    t = threading.Thread(target=lambda: box.setdefault("r", trainer.fit()))
-    t.start()
-    import ray
-    deadline = time.monotonic() + 200
-    while trainer.controller is None or not trainer.controller.group.spares:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-    spare, first, held = trainer.controller.group.spares[0].handle, -1, -1
-    while first < 0 or held < first + later:  # killed `later` steps after the spare's first copy
-        assert time.monotonic() < deadline
-        held = ray.get(spare.hold_copy.remote(None), timeout=200)
-        first = held if first < 0 else first
-    ray.kill(trainer.controller.group.members[0].handle, no_restart=True)
-    t.join(400)
-    return box["r"], held
+    seen = {"first": -1, "held": -1}
+
+    def ready(controller) -> bool:  # `later` steps after the spare's first copy
+        import ray
+        if not controller.group.spares:
+            return False
+        seen["held"] = ray.get(controller.group.spares[0].handle.hold_copy.remote(None), timeout=200)
+        if seen["first"] < 0:
+            seen["first"] = seen["held"]
+        return seen["first"] >= 0 and seen["held"] >= seen["first"] + later
+    return fit_killing(trainer, ready, victim=0), seen["held"]
 
 
 @pytest.fixture(scope="module")
