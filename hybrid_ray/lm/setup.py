@@ -23,6 +23,7 @@ from hybrid_ray.data.prepare import read_meta
 from hybrid_ray.data.tokenizer import Tokenizer
 from hybrid_ray.engine import Engine
 from hybrid_ray.engine import Topology
+from hybrid_ray.engine.replicas.keeper import NOTHING_HELD
 from hybrid_ray.lm.job import DataSection, Job
 from hybrid_ray.config import ConfigError
 from hybrid_ray.engine.checkpoint.offline import state_dict_keys
@@ -261,7 +262,7 @@ def _say_how_it_resumed(run: Run, log: RunLog) -> None:
     in how long), or why the checkpoint was read instead."""
     replicas = run.engine.replicas
     rec = replicas.last_recovery if replicas is not None else None
-    if rec is None or (rec["source"] == "disk" and "no worker holds" in rec["reason"]):
+    if rec is None or (rec["source"] == "disk" and rec["reason"] == NOTHING_HELD):
         return  # a first start: there was nothing to recover
     if rec["source"] == "memory":
         text = f"resumed at step {rec['step']} from the replicas in memory ({rec['seconds']:.2f} s, no disk read)"

@@ -148,14 +148,20 @@ class Keeper:
             if self.pending is not None and self.pending.step > step:
                 self.pending = None
 
+    def _newest_own_copy(self, after: int) -> int:
+        """The newest committed version of this rank's own host copy newer than `after` (-1:
+        none); replay mode's live entry is not a copy. The caller holds the lock."""
+        return max((v for v, s in self.own.items() if after < v <= self.committed and s.full and not s.live),
+                   default=-1)
+
     def lease_newest_own(self, after: int) -> Optional[Snapshot]:
         """This rank's newest committed host copy (copy mode) newer than `after`, kept out of
         buffer reuse until `release`: a warm spare's copy is taken from it (cluster layer)."""
         with self._lock:
-            ok = [v for v, s in self.own.items() if after < v <= self.committed and s.full and not s.live]
-            if not ok:
+            version = self._newest_own_copy(after)
+            if version < 0:
                 return None
-            snap = self.own[max(ok)]
+            snap = self.own[version]
             self._leased.add(id(snap))
             return snap
 
@@ -166,8 +172,7 @@ class Keeper:
     def newest_copy(self) -> int:
         """The newest committed version of this rank's own host copy (-1: none)."""
         with self._lock:
-            return max((v for v, s in self.own.items() if v <= self.committed and s.full and not s.live),
-                       default=-1)
+            return self._newest_own_copy(-1)
 
     def keep_copy(self, snap: Snapshot) -> None:
         """A warm spare's: the newest copy of a lone worker's state, held as a buddy holds its
@@ -209,6 +214,7 @@ class Keeper:
 
 
 KEEPER = Keeper()
+NOTHING_HELD = "no worker holds replicas of this run"  # plan's reason when memory has nothing: a first start
 
 
 @dataclass(frozen=True)
@@ -227,7 +233,7 @@ def plan(summaries: List[dict], run: Optional[str]) -> Tuple[Optional[Plan], str
     and why not. Pure: every rank computes the same plan from the same summaries."""
     mine = [s for s in summaries if s.get("run") == run and run is not None]
     if not mine:
-        return None, "no worker holds replicas of this run"
+        return None, NOTHING_HELD
     offers: Dict[Tuple[int, int], Dict[int, Tuple[int, str]]] = {}  # (version, world) -> old rank -> source
     for new_rank, s in enumerate(summaries):
         if s.get("run") != run:
@@ -243,7 +249,7 @@ def plan(summaries: List[dict], run: Optional[str]) -> Tuple[Optional[Plan], str
             for where, v in s.get("full", [(w, v) for w in ("own", "held") for v in s[w]]):
                 full.setdefault((v, s[where][v][1]), (new_rank, where))
     if not offers:  # the run is known here (a checkpoint was seen) but no copy of it is held
-        return None, "no worker holds replicas of this run"
+        return None, NOTHING_HELD
     complete = [(v, w) for (v, w), got in offers.items() if set(got) >= set(range(w)) and (v, w) in full]
     disk = max(s["disk_step"] for s in mine)
     if not complete:

@@ -35,7 +35,7 @@ from ..topology import Topology
 from . import recover as rec
 from . import replay
 from . import snapshot as snap
-from .keeper import KEEPER, Keeper
+from .keeper import KEEPER, NOTHING_HELD, Keeper
 
 log = logging.getLogger("hybrid_ray")
 
@@ -87,7 +87,7 @@ class Replicator:
             self.keeper.rewind(step)
             self._layout = None  # the live state jumped: the buddy needs a new base
             ts.log(f"recovered step {step} from the replicas in memory in {seconds:.2f} s (no disk read)")
-        elif self.keeper.run == self.run and why != "no worker holds replicas of this run":
+        elif self.keeper.run == self.run and why != NOTHING_HELD:
             ts.log(f"replicas in memory not used: {why}; loading the newest checkpoint", logging.WARNING)
         return step
 
