@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any, List
 
 from hybrid_ray.engine.replicas import handoff
@@ -55,8 +56,16 @@ class SparePusher:
 
     def _push(self, spares: List[Any], after: int) -> int:
         import ray
-        copy = handoff.export_newest(after)
-        if copy is None:
-            return after
-        ray.get([s.hold_copy.remote(copy) for s in spares], timeout=self.timeout_s)
-        return copy["step"]
+        start = time.monotonic()
+        with handoff.exported(after) as copy:
+            if copy is None:
+                return after
+            step = copy["step"]
+            # .remote() serialises its argument into the object store before it returns: the
+            # snapshot's buffers can go back to the training thread's copies right after.
+            replies = [s.hold_copy.remote(copy) for s in spares]
+        sent = time.monotonic()
+        ray.get(replies, timeout=self.timeout_s)
+        log.info("step %d's replica copy went to %d warm spare(s): sent in %.2f s, held after %.2f s more",
+                 step, len(spares), sent - start, time.monotonic() - sent)
+        return step

@@ -27,7 +27,8 @@ def worker_keeper(step: int = 5) -> Keeper:
 def test_a_copy_travels_as_plain_data_and_the_receivers_plan_finds_it():
     sender, receiver = worker_keeper(), Keeper()
     assert handoff.newest_step(sender) == 5 and handoff.newest_step(receiver) == -1
-    wire = pickle.loads(pickle.dumps(handoff.export_newest(-1, sender)))  # as another process gets it
+    with handoff.exported(-1, sender) as sent:
+        wire = pickle.loads(pickle.dumps(sent))  # as another process gets it
     assert all(isinstance(a, np.ndarray) for ts in wire["tensors"] for _, a in ts.values())
     assert handoff.import_copy(wire, receiver) == 5 and handoff.import_copy(None, receiver) == 5
     got = receiver.get("held", 5).tensors[0]
@@ -35,17 +36,18 @@ def test_a_copy_travels_as_plain_data_and_the_receivers_plan_finds_it():
     assert got["exp_avg"].dtype == torch.bfloat16 and torch.equal(got["exp_avg"], torch.ones(3, dtype=torch.bfloat16) / 3)
     p, why = plan([receiver.summary()], "/run")
     assert why == "ok" and p.step == 5 and p.sources == {0: (0, "held")}
-    assert handoff.export_newest(5, sender) is None  # nothing newer than what was sent
+    with handoff.exported(5, sender) as nothing:
+        assert nothing is None  # nothing newer than what was sent
 
 
-def test_a_leased_snapshot_is_not_reused_by_the_next_copy():
+def test_an_exported_snapshot_is_not_reused_by_the_next_copy_until_it_is_sent():
     k = worker_keeper()
-    leased = k.lease_newest_own(-1)
     token = k.begin()
-    k.put_own(Snapshot(6, 0, 1, [{"master": torch.zeros(4)}], b"s", "/run"), token)
-    k.commit(6, token)
-    assert k.recycled("own") is None  # step 5's buffers are still being read
-    k.release(leased)
+    with handoff.exported(-1, k) as wire:  # its arrays are views of step 5's buffers
+        k.put_own(Snapshot(6, 0, 1, [{"master": torch.zeros(4)}], b"s", "/run"), token)
+        k.commit(6, token)
+        assert k.recycled("own") is None  # step 5's buffers are still being read
+        assert np.array_equal(wire["tensors"][0]["master"][1], np.arange(4, dtype=np.float32))
     k.put_own(Snapshot(7, 0, 1, [{"master": torch.zeros(4)}], b"s", "/run"), token)
     k.commit(7, token)
     assert k.recycled("own").step == 6
@@ -57,10 +59,27 @@ def test_a_replay_modes_live_entry_is_never_handed_out():
     token = k.begin()
     k.set_live(Snapshot(3, 0, 1, [{"master": torch.zeros(2)}], b"s", "/run", live=True), token)
     k.commit(3, token)
-    assert handoff.newest_step(k) == -1 and handoff.export_newest(-1, k) is None
+    with handoff.exported(-1, k) as nothing:
+        assert handoff.newest_step(k) == -1 and nothing is None
 
 
 def test_a_run_seen_on_disk_with_nothing_held_is_not_a_lost_buddy():
     k = Keeper()
     k.saw_disk("/run", 8)
     assert plan([k.summary()], "/run") == (None, "no worker holds replicas of this run")
+
+
+def test_a_received_copy_is_kept_without_copying_and_its_memory_is_never_reused():
+    sender, receiver = worker_keeper(), Keeper()
+    with handoff.exported(-1, sender) as sent:
+        wire = pickle.loads(pickle.dumps(sent))
+    for ts in wire["tensors"]:  # as Ray hands them over: read-only views of its object store
+        for _, a in ts.values():
+            a.flags.writeable = False
+    handoff.import_copy(wire, receiver)
+    held = receiver.get("held", 5)
+    assert held.borrowed and np.shares_memory(held.tensors[0]["master"].numpy(), wire["tensors"][0]["master"][1])
+    token = receiver.begin()
+    receiver.put_own(Snapshot(6, 0, 1, [{"master": torch.zeros(4)}], b"s", "/run"), token)
+    receiver.commit(6, token)  # the held step-5 copy is dropped, not recycled for a later copy
+    assert receiver.recycled("held") is None

@@ -135,7 +135,7 @@ class Keeper:
                 for v in [v for v, s in store.items() if (v < version and not (name == "held" and v == base))
                           or s.token != token]:
                     gone = store.pop(v)
-                    if id(gone) not in self._leased:  # a leased one is being read: no reuse
+                    if id(gone) not in self._leased and not gone.borrowed:  # a leased one is being read
                         self._spare[name] = gone
 
     def rewind(self, step: int) -> None:

@@ -40,6 +40,9 @@ class Snapshot:
     part: Optional[bytes] = None
     stepper: Any = None
     live: bool = False  # replay mode's own entry: the engine's tensors by reference, not a copy
+    # Tensors over memory this process does not own (a warm spare's copy, read-only in Ray's
+    # object store): read, never reused as a later copy's buffers.
+    borrowed: bool = False
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for ts in self.tensors for t in ts.values()) + len(self.small)
