@@ -32,7 +32,7 @@ import os
 import sys
 import tempfile
 import time
-from typing import Dict, List
+from typing import Any, Dict, List
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -119,6 +119,8 @@ class OursFn:
 
 def ours_fn(ctx, events: str, marker: str, replicas, lose: tuple):
     entered = time.time()
+    import logging
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")  # the worker's log
     engine, warm = _engine(ctx.topology, replicas)
     built = time.time()
     ckpt = os.path.join(ctx.storage_path, ctx.run_name, "checkpoints")
@@ -145,13 +147,18 @@ def run_ours(work: str, name: str = "ours", replicas=False, spares: int = 0,
                                            {"CPU": 1, "GPU": 0.5} if GPU else None),
                              FailureConfig(max_failures=1, collective_timeout_s=30.0),
                              storage_path=os.path.join(work, name), run_name="bench",
-                             on_event=lambda msg: (seen.append((time.time(), msg)),
-                                                   print(f"  [{name}] {msg}", flush=True)))
+                             on_event=lambda msg: (seen.append((time.time(), msg)), _said(work, name, msg)))
     t0 = time.time()
     trainer.fit()
     total = time.time() - t0
     detected = next(t for t, msg in seen if "lost" in msg or "failed" in msg)
     return _measure(events, total, detected)
+
+
+def _said(work: str, name: str, msg: str) -> None:
+    print(f"  [{name}] {msg}", flush=True)
+    with open(os.path.join(work, "events.txt"), "a") as f:
+        f.write(f"{time.time():.3f} [{name}] {msg}\n")
 
 
 # ---- Ray Train -----------------------------------------------------------------------------
@@ -223,6 +230,31 @@ def _python_path() -> str:
     return os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
 
 
+def _ways(work: str, args: argparse.Namespace, lose: tuple) -> Dict[str, Any]:
+    """The ways this invocation runs, by row name: each a call that runs it."""
+    n = dict(workers=args.workers, lose=lose)
+    spares = f" + {len(lose)} spare(s)"
+    ways: Dict[str, Any] = {"hybrid_ray, checkpoint": lambda: run_ours(work, **n)}
+    if args.workers > 1:  # one worker has no buddy: nothing survives in memory
+        ways["hybrid_ray, replicas"] = lambda: run_ours(work, "replicas", replicas=True, **n)
+    ways[f"hybrid_ray, {'replicas' if args.workers > 1 else 'checkpoint'}{spares}"] = \
+        lambda: run_ours(work, "spare", replicas=args.workers > 1, spares=len(lose), **n)
+    if args.workers == 1:  # no buddy: the spare holds the lone worker's copies
+        ways[f"hybrid_ray, replicas on the spare{spares}"] = \
+            lambda: run_ours(work, "spare-copy", replicas=True, spares=len(lose), **n)
+    if args.workers > 1:  # the buddy steps its copy with each step's gradient instead
+        ways[f"hybrid_ray, replay{spares}"] = \
+            lambda: run_ours(work, "replay", replicas="replay", spares=len(lose), **n)
+    if not args.skip_ray_train and args.workers == 2 and lose == (1,) and not GPU:
+        ways["Ray Train TorchTrainer"] = lambda: run_ray_train(work)
+    if args.ways:
+        words = args.ways.split(",")
+        ways = {k: v for k, v in ways.items() if any(w in k for w in words)}
+        if not ways:
+            raise SystemExit(f"--ways {args.ways!r}: no way's name contains any of these words")
+    return ways
+
+
 def main() -> None:
     global STEPS, EVERY, FAULT_STEP, MODEL, GPU, COPY_INTERVAL
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -239,6 +271,10 @@ def main() -> None:
     p.add_argument("--fault-step", type=int, default=FAULT_STEP)
     p.add_argument("--copy-interval", type=int, default=COPY_INTERVAL,
                    help="fault_tolerance.copy_interval of the copy-mode ways")
+    p.add_argument("--ways", default=None, help="run only these ways: comma-separated words each "
+                   "way's name must contain, e.g. 'spare' or 'checkpoint,replay'")
+    p.add_argument("--keep", default=None, help="the work folder (the ways' event files, checkpoints "
+                   "and every driver event as events.txt) here instead of a temporary one")
     args = p.parse_args()
     lose = tuple(int(r) for r in args.lose.split(","))
     STEPS, EVERY, FAULT_STEP, MODEL, GPU = args.steps, args.every, args.fault_step, args.model, args.device == "cuda"
@@ -248,28 +284,17 @@ def main() -> None:
     from hybrid_ray.cluster.local import start_local
     start_local(num_cpus=args.workers + 2 * len(lose), num_gpus=1 if GPU else 0, include_dashboard=False, log_to_driver=False,  # all on 127.0.0.1
                 runtime_env={"env_vars": {"PYTHONPATH": _python_path()}})
-    work = tempfile.mkdtemp(prefix="hybrid_ray_recovery_")
-    n = dict(workers=args.workers, lose=lose)
-    rows = {"hybrid_ray, checkpoint": run_ours(work, **n)}
-    if args.workers > 1:  # one worker has no buddy: nothing survives in memory
-        rows["hybrid_ray, replicas"] = run_ours(work, "replicas", replicas=True, **n)
-    rows[f"hybrid_ray, {'replicas' if args.workers > 1 else 'checkpoint'} + {len(lose)} spare(s)"] = \
-        run_ours(work, "spare", replicas=args.workers > 1, spares=len(lose), **n)
-    if args.workers == 1:  # no buddy: the spare holds the lone worker's copies
-        rows[f"hybrid_ray, replicas on the spare + {len(lose)} spare(s)"] = \
-            run_ours(work, "spare-copy", replicas=True, spares=len(lose), **n)
-    if args.workers > 1:  # the buddy steps its copy with each step's gradient instead
-        rows[f"hybrid_ray, replay + {len(lose)} spare(s)"] = \
-            run_ours(work, "replay", replicas="replay", spares=len(lose), **n)
-    if not args.skip_ray_train and args.workers == 2 and lose == (1,) and not GPU:
-        rows["Ray Train TorchTrainer"] = run_ray_train(work)
+    work = args.keep or tempfile.mkdtemp(prefix="hybrid_ray_recovery_")
+    os.makedirs(work, exist_ok=True)
+    rows = {name: run() for name, run in _ways(work, args, lose).items()}
     ray.shutdown()
     if args.out:
         with open(args.out, "a") as f:
             for name, r in rows.items():
                 f.write(json.dumps({"impl": name, "workers": args.workers, "lost_ranks": list(lose),
                                     "model": MODEL, "device": args.device, "steps": STEPS,
-                                    "fault_step": FAULT_STEP, "checkpoint_every": EVERY, **r}) + "\n")
+                                    "fault_step": FAULT_STEP, "checkpoint_every": EVERY,
+                                    "copy_interval": COPY_INTERVAL, **r}) + "\n")
     print(f"\n{'':<30}{'detection s':>12}{'restart s':>11}{'recovery s':>12}{'steps lost':>12}{'total s':>9}"
           "  resumed from")
     for name, r in rows.items():
