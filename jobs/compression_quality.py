@@ -21,8 +21,9 @@ INDICES int32 or block16: gradient_compression.topk_values / topk_indices), 1-bi
 `onebit-pre:WARMUP` (momentum form, sent divided by the frozen sqrt(variance)), options `bBLOCK`
 (a scale per BLOCK elements instead of one per chunk) and `rREFRESH` (every REFRESH steps one dense
 AdamW step that updates the variance, counted as dense bytes) and `c0` (without the engine's
-gradient_compression.update_bound: 1-bit Adam's update as published), or `frozen:WARMUP[:rREFRESH]`
-(AdamW whose variance freezes after WARMUP steps, gradients exact: what the freeze alone costs). Prints one row per variant (mean over seeds,
+gradient_compression.update_bound: 1-bit Adam's update as published), `frozen:WARMUP[:rREFRESH]`
+(AdamW whose variance freezes after WARMUP steps, gradients exact: what the freeze alone costs), or
+`dense:lrSCALE` (dense at SCALE times the config's learning rate: whether dense's own lr is its best). Prints one row per variant (mean over seeds,
 and the seeds' range) with the gap to dense and the byte ratio after the warm-up and over the
 whole run, and appends the rows as JSON to benchmarks/runs/<date>-quality-<steps>x<ranks>.jsonl
 (or --out) with the corpus they were measured on (sources, bytes, tokens, sha256).
@@ -40,6 +41,7 @@ after its warm-up and 10x over the whole run (`meets_bar`).
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import multiprocessing
 import statistics
@@ -74,6 +76,7 @@ class Variant:
     block: int = 0  # 1-bit: one scale per `block` elements (0: one per owner's chunk, as the engine)
     refresh: int = 0  # 1-bit: every `refresh` steps after the warm-up one dense AdamW step updates the variance
     bound: bool = True  # 1-bit: the engine's update_bound (the frozen variance read as at least m^2)
+    lr: float = 1.0  # dense: the job's learning rate times this (is the dense baseline's lr the best one?)
 
 
 ONEBIT = {"onebit": "momentum", "onebit-grad": "grad", "onebit-pre": "preconditioned", "frozen": "none"}
@@ -83,6 +86,13 @@ def parse_variant(text: str) -> Variant:
     """`dense` or `topk:RATIO:WARMUP[:VALUES[:INDICES]]`; a one-line error otherwise."""
     if text == "dense":
         return Variant("dense")
+    if text.startswith("dense:lr"):
+        try:
+            scale = float(text[len("dense:lr"):])
+        except ValueError:
+            scale = 0.0
+        if scale > 0:
+            return Variant(text, lr=scale)
     parts = text.split(":")
     if parts[0] in ONEBIT and len(parts) >= 2 and parts[1].isdigit() and int(parts[1]) > 0:
         opts = {p[:1]: p[1:] for p in parts[2:]}
@@ -101,7 +111,8 @@ def parse_variant(text: str) -> Variant:
     except ValueError:
         raise SystemExit(f"--variant {text!r}: expected 'dense', 'topk:RATIO:WARMUP[:VALUES[:INDICES]]' "
                          "(0 < RATIO <= 1, WARMUP >= 0, VALUES fp32|bf16|int8, INDICES int32|block16) "
-                         "'onebit[-grad|-pre]:WARMUP[:bBLOCK][:rREFRESH][:c0]' or 'frozen:WARMUP[:rREFRESH][:c0]' "
+                         "'onebit[-grad|-pre]:WARMUP[:bBLOCK][:rREFRESH][:c0]', 'frozen:WARMUP[:rREFRESH][:c0]' or "
+                         "'dense:lrSCALE' (SCALE > 0) "
                          "(WARMUP, REFRESH > 0, BLOCK >= 32), e.g. topk:0.01:200, "
                          "topk:0.05:100:int8:block16, onebit:200 or onebit:200:b256:r100")
     return Variant(text, ratio, warmup, codec)
@@ -113,7 +124,7 @@ def run(job: Job, variant: Variant, steps: int, seed: int, ranks: int, data, all
         return run_onebit(job, variant, steps, seed, ranks, data, allow_repeat)
     train, val, _ = data
     e = job.engine
-    model, opt, sched, buckets, windows = start(job, steps, seed, ranks, data, allow_repeat)
+    model, opt, sched, buckets, windows = start(_scaled(job, variant.lr), steps, seed, ranks, data, allow_repeat)
     comps = [TopK(variant.ratio, variant.warmup, codec=variant.codec) for _ in range(ranks)] if variant.ratio else None
     sent = dense_bytes = sent_after = dense_after = 0
     for step in range(steps):
@@ -141,6 +152,15 @@ def run(job: Job, variant: Variant, steps: int, seed: int, ranks: int, data, all
     return {"val_loss": val_loss(model, val, job.train.eval_samples, e.train_micro_batch_size_per_gpu),
             "bytes_ratio_after_warmup": dense_after / sent_after if sent_after else None,
             "bytes_ratio_whole_run": dense_bytes / sent, "passes": windows.passes}
+
+
+def _scaled(job: Job, lr: float) -> Job:
+    """The job with its optimizer's learning rate times `lr` (the scheduler scales from it)."""
+    if lr == 1.0:
+        return job
+    job = copy.deepcopy(job)
+    job.engine.optimizer.params["lr"] *= lr
+    return job
 
 
 def run_onebit(job: Job, variant: Variant, steps: int, seed: int, ranks: int, data,
