@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
+from hybrid_ray.config import ConfigError
 from hybrid_ray.engine import comm
 
 from .compression_policy import describe
@@ -21,7 +22,8 @@ class DirectiveFollower:
     def __init__(self, engine, agree: Callable[[], Optional[dict]], say: Callable[[str], None]):
         self.engine, self.agree, self.say = engine, agree, say
         self.applied_id = 0  # 0: the job's own start, dense (type auto reduces densely alone)
-        self._comm_s = 0.0
+        self._comm_s, self._warming = 0.0, False
+        self._refused = ""  # why the engine refused directive applied_id ("" : it is in force)
 
     def probe_link(self, max_seconds: float = 0.2, max_bytes: int = 64 << 20) -> float:
         """Bus bandwidth in bytes/s (collective). Grows the buffer until one all-reduce takes
@@ -35,12 +37,15 @@ class DirectiveFollower:
 
     def after_step(self) -> None:
         """After each optimizer step: add its exposed communication to the interval's."""
-        self._comm_s += float(self.engine.compression_stats().get("comm_wait_s") or 0.0)
+        stats = self.engine.compression_stats()
+        self._comm_s += float(stats.get("comm_wait_s") or 0.0)
+        self._warming = self._warming or bool(stats.get("warming"))
 
     def interval(self, step: int, steps: int, seconds: float) -> Interval:
         """The record of the interval that ended at `step` (rank 0 sends it); starts the next."""
-        out = Interval(self.applied_id, steps, seconds / max(steps, 1), self._comm_s / max(steps, 1), step)
-        self._comm_s = 0.0
+        out = Interval(self.applied_id, steps, seconds / max(steps, 1), self._comm_s / max(steps, 1), step,
+                       self._warming, self._refused)
+        self._comm_s, self._warming = 0.0, False
         return out
 
     def sync(self, step: int) -> None:
@@ -48,7 +53,15 @@ class DirectiveFollower:
         directive = self.agree()
         if directive is None or directive["id"] == self.applied_id:
             return
-        self.engine.set_gradient_compression(directive["setting"])
-        self.applied_id = directive["id"]
+        try:
+            self.engine.set_gradient_compression(directive["setting"])
+        except ConfigError as e:  # NotSupportedError too: this engine cannot run it (1-bit on SGD)
+            # Every rank refuses alike (one config, one engine): the old setting goes on, and the
+            # intervals under this id tell the driver why, so that it tries the next one.
+            self.applied_id, self._refused = directive["id"], str(e).splitlines()[0][:300]
+            self.say(f"step {step}: gradient compression {describe(directive['setting'])} refused here "
+                     f"({self._refused}); {describe(self.engine.gradient_compression)} goes on")
+            return
+        self.applied_id, self._refused = directive["id"], ""
         self.say(f"step {step}: gradient compression now {describe(directive['setting'])} "
                  f"(driver: {directive['reason']})")

@@ -104,6 +104,8 @@ class Interval(Record):
     step_s: float  # mean wall time per step
     comm_wait_s: float  # mean time per step blocked on gradient collectives
     step: Optional[int] = None  # the interval's last step
+    warming: bool = False  # some step was reduced densely by a compressor still in its warm-up
+    refused: str = ""  # why the engine refused the setting `setting_id` names (the old one goes on)
 
     def metrics(self) -> Dict[str, float]:
         """The interval as metrics (MLflow's compression_id shows when the setting changed)."""
@@ -111,7 +113,8 @@ class Interval(Record):
                 "interval_step_s": self.step_s, "interval_comm_s": self.comm_wait_s}
 
     def to_json(self) -> Dict[str, Any]:
-        return {"step": self.step, **self.metrics()}
+        extra = {k: v for k, v in (("warming", self.warming), ("refused", self.refused)) if v}
+        return {"step": self.step, **self.metrics(), **extra}
 
 
 @dataclass(frozen=True)

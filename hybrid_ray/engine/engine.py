@@ -363,10 +363,10 @@ class Engine(EngineLifecycle, EngineState, DeepSpeedAccessors, PipelineBatches):
     def compression_stats(self) -> dict:
         """Gradient bytes this rank sent in the last optimizer step against the uncompressed
         reduction, and how that step's time split: {"bytes_sent", "dense_bytes", "ratio",
-        "total_bytes_sent", "total_dense_bytes", "steps", "step_s", "comm_wait_s",
-        "compress_s"} (bytes zero with one rank: nothing is reduced). step_s: wall time from the
-        window's first forward to the end of its step; comm_wait_s: time blocked on gradient
-        collectives (exposed communication); compress_s: compression time (compression.CommStats)."""
+        "total_bytes_sent", "total_dense_bytes", "steps", "step_s", "comm_wait_s", "compress_s",
+        "warming"} (bytes zero with one rank). step_s: the window's wall time to the end of its
+        step; comm_wait_s: exposed communication; compress_s: compression time; warming: in a
+        compressor's warm-up (compression.CommStats)."""
         return self.reducer.stats.summary()
 
     @property

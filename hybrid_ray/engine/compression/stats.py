@@ -72,14 +72,15 @@ class CommStats:
     collectives (exposed communication: with overlap only what backward did not hide; stage 3's
     parameter all-gathers and the step's own small all-reduce are not counted); `compress_s`
     time spent compressing (top-k selection; PowerSGD's matmuls, orthogonalisation and
-    decompression; on CUDA device time of those kernels).
+    decompression; on CUDA device time of those kernels). `warming`: the step was reduced
+    densely by a compressor still in its warm-up (what it sends then says nothing of its speed).
     """
 
     TIMES = ("comm_wait", "compress")
 
     def __init__(self) -> None:
         self._window = [0, 0]
-        self.last = {"bytes_sent": 0, "dense_bytes": 0, "step_s": 0.0,
+        self.last = {"bytes_sent": 0, "dense_bytes": 0, "step_s": 0.0, "warming": False,
                      **{f"{k}_s": 0.0 for k in self.TIMES}}
         self.total = {"bytes_sent": 0, "dense_bytes": 0}
         self.steps = 0
@@ -88,10 +89,10 @@ class CommStats:
         self._window[0] += sent
         self._window[1] += dense
 
-    def end_step(self, seconds: Optional[Dict[str, float]] = None) -> None:
+    def end_step(self, seconds: Optional[Dict[str, float]] = None, warming: bool = False) -> None:
         sent, dense = self._window
         seconds = seconds or {}
-        self.last = {"bytes_sent": sent, "dense_bytes": dense, "step_s": self.last["step_s"],
+        self.last = {"bytes_sent": sent, "dense_bytes": dense, "step_s": self.last["step_s"], "warming": warming,
                      **{f"{k}_s": seconds.get(k, 0.0) for k in self.TIMES}}
         self.total = {"bytes_sent": self.total["bytes_sent"] + sent,
                       "dense_bytes": self.total["dense_bytes"] + dense}
@@ -107,4 +108,4 @@ class CommStats:
                 "total_bytes_sent": self.total["bytes_sent"],
                 "total_dense_bytes": self.total["dense_bytes"], "steps": self.steps,
                 "step_s": self.last["step_s"], "comm_wait_s": self.last["comm_wait_s"],
-                "compress_s": self.last["compress_s"]}
+                "compress_s": self.last["compress_s"], "warming": self.last["warming"]}

@@ -351,9 +351,10 @@ class GradReducer:
     def end_step(self, overflow: bool, scale_ratio: float) -> None:
         """After an optimizer step: close the step's bytes and times; keep residuals (the
         compressor's and any carried ones) in the new loss scale, drop them after an overflow."""
-        self.stats.end_step(self.timer.collect())
-        if self.compressor is not None:
-            self.compressor.on_step(overflow, scale_ratio)
+        c = self.compressor
+        self.stats.end_step(self.timer.collect(), c is not None and c.step < c.warmup_steps)
+        if c is not None:
+            c.on_step(overflow, scale_ratio)
         if overflow:
             self.carry.clear()
         elif scale_ratio != 1.0:
