@@ -20,7 +20,7 @@ class CompressionCoordinator:
     def __init__(self, settings: Section, send: Callable[[dict], None], event: Callable[[str], None],
                  tag: Callable[[str], None] = lambda setting: None, intervals: int = 2):
         """settings: the job's validated engine `gradient_compression` section; type `auto` lets
-        the driver choose (from bf16, top-k at its topk_ratio, PowerSGD at its rank), any other
+        the driver choose (compression_policy.candidates), any other
         is pinned. send: deliver a directive to every worker; event: say a decision and why;
         tag: record the setting now in force (MLflow tag)."""
         self.section = section(settings)

@@ -14,6 +14,10 @@ slow network the reduction can be most of the step. So the policy measures befor
    for a few intervals.
 3. SETTLE on the fastest measured setting (dense included) and say why, with the numbers.
 
+A trial is timed only once its compressor's dense warm-up is over (1-bit Adam's runs a couple of
+hundred steps); a setting the workers' engine cannot run (1-bit Adam on SGD, at ZeRO-3) is
+refused there, and the policy goes on to the next, saying why.
+
 A new group (lost worker, resize) changes the link and the per-rank shares: everything is
 measured again. A setting the user pinned is never changed. The driver turns each Decision into
 a directive the workers apply at the same step (context.agree_on_directive).
@@ -52,20 +56,32 @@ def describe(setting: Section) -> str:
         return f"topk {setting.get('topk_ratio', 0.01):g}"
     if kind == "powersgd":
         return f"powersgd rank {setting.get('rank', 1)}"
+    if kind == "onebit" and setting.get("form", "auto") != "auto":
+        return f"onebit {setting['form']}"
     return kind
+
+
+# 1-bit Adam's dense warm-up where the section sets none: the warm-up its quality was measured
+# with (quality_record.py). A switch mid-run restarts it, so the variance it freezes has been
+# estimated for at least this many steps.
+ONEBIT_WARMUP = 200
 
 
 def candidates(auto: Section) -> List[Dict]:
     """What `gradient_compression: {type: auto, ...}` lets the driver choose from: bf16, top-k at
     the section's topk_ratio (and its payload encoding), PowerSGD at its rank, each with its
     warmup_steps and error_feedback (the config's defaults where the job sets none: topk_ratio
-    0.01, rank 1)."""
+    0.01, rank 1), and 1-bit Adam's momentum form (with update_bound; warmup_steps, or
+    ONEBIT_WARMUP where that is 0). An engine that cannot run one (1-bit needs Adam or AdamW and
+    ZeRO 0-2) refuses it and the driver goes on to the next (compression_follower.py)."""
     auto = section(auto)
     common = {"warmup_steps": auto.warmup_steps, "error_feedback": auto.error_feedback}
     return [{"type": "bf16"},
             {"type": "topk", "topk_ratio": auto.topk_ratio, "topk_values": auto.topk_values,
              "topk_indices": auto.topk_indices, **common},
-            {"type": "powersgd", "rank": auto.rank, **common}]
+            {"type": "powersgd", "rank": auto.rank, **common},
+            {"type": "onebit", "form": "momentum", "update_bound": auto.update_bound,
+             "warmup_steps": auto.warmup_steps or ONEBIT_WARMUP, "error_feedback": auto.error_feedback}]
 
 
 def quality_gate(options: List[Dict], max_loss: Optional[float]) -> Tuple[List[Dict], List[str]]:
@@ -136,6 +152,7 @@ class CompressionPolicy:
         self._done: List[_Trial] = []
         self._skip_first = True
         self._summary = ""
+        self._refusals: List[str] = []
 
     # ---- inputs ------------------------------------------------------------------------------
     def on_group(self, world_size: int, bandwidth: Optional[float]) -> Optional[Decision]:
@@ -153,6 +170,11 @@ class CompressionPolicy:
     def observe(self, iv: Interval) -> Optional[Decision]:
         """One interval of rank 0's measurements; intervals of another setting are ignored."""
         if self.settled is not None or iv.setting_id != self.current_id or iv.steps <= 0:
+            return None
+        if iv.refused and self._trying is not self._dense:
+            self._refusals.append(f"{describe(self._trying.setting)} refused by the workers ({iv.refused})")
+            return self._next_trial()
+        if iv.warming:  # its warm-up reduces densely: not yet its own speed
             return None
         if self._skip_first:
             self._skip_first = False
@@ -187,10 +209,13 @@ class CompressionPolicy:
     def _byte_ratio(self, option: Dict) -> float:
         """Bytes on the wire against the dense ring all-reduce (2(n-1)/n of the buffer per rank).
         top-k all-gathers (value, index) pairs: (n-1) * 2 * ratio of the buffer per rank.
-        PowerSGD's factors depend on the matrix shapes: guessed at 1/16 until measured."""
+        PowerSGD's factors depend on the matrix shapes: guessed at 1/16 until measured. 1-bit
+        Adam sends one bit per element where dense sends 32 (and a scale per chunk)."""
         n, kind = self.world_size, option["type"]
         if kind in ("bf16", "fp16"):
             return 0.5
+        if kind == "onebit":
+            return 1 / 32
         if kind == "topk":  # bytes per kept element against 4 per dense one (codec.py)
             codec = PairCodec(option.get("topk_values", "fp32"), option.get("topk_indices", "int32"))
             per_kept = codec.nbytes(1 << 20, 1 << 20) / (1 << 20) / 4
@@ -216,8 +241,9 @@ class CompressionPolicy:
         else:
             chosen, why = self._dense, f"no setting beat dense by {self.min_gain:.0%}"
         self.settled = chosen.setting
+        refused = "".join(f"; {r}" for r in self._refusals)
         return self._put(chosen.setting, f"settled on {describe(chosen.setting)} ({why}): {self._summary}; "
-                                         f"measured s/step: dense {dense_s:.3f}{measured}",
+                                         f"measured s/step: dense {dense_s:.3f}{measured}{refused}",
                          same_id=chosen.setting == self.current)
 
     def _put(self, setting: Dict, reason: str, same_id: bool = False) -> Decision:

@@ -185,7 +185,8 @@ class CompressionConfig:
     element and one scale per rank's slice, and freezes Adam's variance from then on (Adam or
     AdamW only);
     fp16/bf16 reduce in that dtype (the same as communication_data_type). auto: the Ray driver
-    chooses for the whole group (dense, bf16, topk at topk_ratio, powersgd at rank) from the
+    chooses for the whole group (dense, bf16, topk at topk_ratio, powersgd at rank, onebit's
+    momentum form) among those whose recorded quality gap is within max_quality_loss, from the
     measured link and step-time split, and may change it between steps; without a driver, auto
     reduces densely. Any other type is pinned. Engines switch it between steps with
     `Engine.set_gradient_compression`."""

@@ -6,7 +6,9 @@ gradient clipped by its own norm across every bucket; error feedback at both lev
 engine at stages 0-2: "auto" picks this form, the optimizer's momentum is the decoded
 average every rank holds, ranks stay equal, stage 2 (which then reduces at the window's
 boundary) trains bit for bit as stage 1 with and without gradient accumulation, an fp16 overflow
-after the warm-up keeps the last average, and the gradient form is still there when asked for.
+after the warm-up keeps the last average, the gradient form is still there when asked for, and a
+run switched into this form and out again mid-run (the driver's `auto`) freezes and thaws Adam's
+variance where it should.
 """
 from __future__ import annotations
 
@@ -133,11 +135,12 @@ def reference(sizes, whole: bool, clip: float, scale: float, steps: int = 3) -> 
     return results
 
 
-def make_engine(stage: int, form: str = "auto", fp16: bool = False, gas: int = 1) -> Engine:
+def make_engine(stage: int, form: str = "auto", fp16: bool = False, gas: int = 1, dense: bool = False) -> Engine:
     cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": 1.0,
            "gradient_accumulation_steps": gas,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
-           "gradient_compression": {"type": "onebit", "warmup_steps": WARMUP, "form": form},
+           "gradient_compression": {"type": "none"} if dense else
+           {"type": "onebit", "warmup_steps": WARMUP, "form": form},
            "zero_optimization": {"stage": stage, "reduce_bucket_size": 1500}}
     if fp16:
         cfg["fp16"] = {"enabled": True, "hysteresis": 1, "initial_scale_power": 8}
@@ -193,6 +196,31 @@ def accumulated(rank: int, stage: int, gas: int) -> list:
     return params
 
 
+def switched(rank: int) -> dict:
+    """Dense for 2 steps, then the momentum form (warm-up 1) for 4, then dense for 2, switched
+    between steps as the driver's `auto` policy does; beside it a run that stays dense."""
+    engine, dense = make_engine(2, dense=True), make_engine(2, dense=True)
+    out = {"ratio": [], "variance": []}
+    for step in range(8):
+        if step == 2:
+            engine.set_gradient_compression({"type": "onebit", "form": "momentum", "warmup_steps": 1})
+        if step == 6:
+            engine.set_gradient_compression(None)
+        x, y = batch(step, rank)
+        for e in (engine, dense):
+            e.backward(nn.functional.mse_loss(e(x), y))
+            e.step()
+        out["ratio"].append(engine.compression_stats()["ratio"])
+        out["variance"].append(torch.cat([engine.optimizer.state[m]["exp_avg_sq"].reshape(-1).clone()
+                                          for m in engine.zero.masters]))
+        if step == 2:  # the switch's warm-up step reduces densely: still the dense run
+            out["warm_up_equal"] = all(torch.equal(a, b) for a, b in zip(full_params(engine), full_params(dense)))
+    out["params"] = full_params(engine)
+    engine.close()
+    dense.close()
+    return out
+
+
 def resume_run(rank: int, out: str) -> dict:
     """Saved after 8 steps with the residuals folded into the saved momentum, and once without;
     the live run goes on, and so does one never saved."""
@@ -240,6 +268,7 @@ def run_all(rank: int, world: int, out: str) -> None:
         res[stage] = {"auto": train(rank, stage), "gradient": train(rank, stage, "gradient")}
     res["gas"] = {stage: accumulated(rank, stage, 2) for stage in (1, 2)}
     res["fp16"] = train(rank, 1, fp16=True, poisoned=WARMUP + 1)
+    res["switched"] = switched(rank)
     spawn.save_result(out, rank, res)
 
 
@@ -325,3 +354,15 @@ def test_a_checkpoint_carries_what_the_residuals_owed(results):
         held = r["nofold"] != 0
         assert held.float().mean() > 0.9
         torch.testing.assert_close((r["fold"] - r["nofold"])[held], r["owed"][held], rtol=1e-4, atol=1e-6)
+
+
+def test_switched_in_and_out_mid_run_as_the_driver_does(results):
+    for res in results:
+        r = res["switched"]
+        assert r["warm_up_equal"]
+        assert all(x >= 20 for x in r["ratio"][3:6]) and all(x < 1.5 for x in r["ratio"][6:])
+        v = r["variance"]
+        assert all(torch.equal(v[2], v[k]) for k in (3, 4, 5))  # frozen after the switch's warm-up
+        assert not torch.equal(v[5], v[6]) and not torch.equal(v[6], v[7])  # Adam's again once dense
+    for a, b in zip(results[0]["switched"]["params"], results[1]["switched"]["params"]):
+        assert torch.equal(a, b) and bool(torch.isfinite(a).all())
