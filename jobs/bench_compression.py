@@ -30,6 +30,10 @@ SIGKILL remove them with `ip netns del NAME`.
 The link's bandwidth is measured once per run: an all_reduce doubled in size until one takes
 a quarter of a second, then timed three times (bus bandwidth, 2(n-1)/n * bytes / s).
 
+At the end the driver's policy (`gradient_compression: {"type": "auto"}`) is fed the medians as
+if measured live, twice: speed only, every measured setting a candidate (`policy` in the JSON),
+and as shipped, its own candidates through the recorded quality gate (`policy_with_quality`).
+
 Internal: the driver re-runs this file with --worker SPEC.json once per rank.
 """
 from __future__ import annotations
@@ -55,6 +59,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 WORLD = 2
+DENSE_SETTING = {"type": "none"}
 SETTING_NAMES = ("dense", "bf16", "topk", "powersgd", "onebit")  # the default; onebit-grad when asked
 # Optional per-step timing keys of compression_stats() (added by later engine work).
 TIMING_KEYS = ("step_s", "comm_wait_s", "compress_s")
@@ -293,21 +298,48 @@ def summarize(args, link_info: dict, ranks: List[dict]) -> dict:
     return out
 
 
-def policy_replay(res: dict) -> List[str]:
+def _speed_key(setting: Optional[dict], stage: int) -> str:
+    """What decides a setting's step time: the exchange it runs (1-bit Adam's warm-up and
+    update_bound change no byte on the wire), so a measured setting can time a candidate."""
+    gc = dict(setting or DENSE_SETTING)
+    kind = gc.get("type", "none")
+    if kind == "topk":
+        return json.dumps([kind, gc.get("topk_ratio", 0.01), gc.get("topk_values", "fp32"),
+                           gc.get("topk_indices", "int32")])
+    if kind == "powersgd":
+        return json.dumps([kind, gc.get("rank", 1)])
+    if kind == "onebit":
+        form = gc.get("form", "auto")
+        return json.dumps([kind, ("gradient" if stage >= 3 else "momentum") if form == "auto" else form])
+    return json.dumps([kind])
+
+
+def policy_replay(res: dict, quality: bool = False) -> List[str]:
     """What the Ray driver's policy (gradient_compression type auto) decides when fed these
     measurements: the dense run's median step and exposed communication first, then each
     setting it asks to try, as if measured live. Checks the policy against the measured best.
-    Speed only: the recorded quality gate (max_quality_loss) is off here, so every measured
-    setting stays a candidate."""
-    from hybrid_ray.cluster.compression_policy import DENSE, CompressionPolicy, Interval
+    quality False: speed only, every measured setting a candidate (the quality gate off).
+    quality True: what `type: auto` does here: its own candidates (compression_policy.candidates
+    at this run's topk_ratio and rank) through the recorded quality gate at its default
+    max_quality_loss, each timed by the measured setting that runs the same exchange (a
+    candidate measured by none is left out)."""
+    from hybrid_ray.cluster.compression_policy import CompressionPolicy, Interval, candidates
 
-    measured = {json.dumps(s["compression"] or DENSE, sort_keys=True): s
-                for s in res["settings"].values() if s["available"]}
+    stage = res.get("zero_stage", 2)
+    measured = {_speed_key(s["compression"], stage): s for s in res["settings"].values() if s["available"]}
     dense = res["settings"].get("dense")
     if not dense or not dense["available"] or dense.get("engine_comm_wait_s_median") is None:
         return []
-    options = [s["compression"] for n, s in res["settings"].items() if s["available"] and n != "dense"]
-    policy = CompressionPolicy(options, max_quality_loss=None)
+    if quality:
+        auto = {"type": "auto"}
+        for s in res["settings"].values():
+            gc = s["compression"] or {}
+            auto.update({k: gc[k] for k in ("topk_ratio", "rank") if k in gc})
+        options = [o for o in candidates(auto) if _speed_key(o, stage) in measured]
+        policy = CompressionPolicy(options)
+    else:
+        options = [s["compression"] for n, s in res["settings"].items() if s["available"] and n != "dense"]
+        policy = CompressionPolicy(options, max_quality_loss=None)
     bw = res["link"]["measured"]["bus_bytes_per_s"]
     reasons = [d.reason for d in [policy.on_group(WORLD, bw)] if d]
     current, sample = 0, dense
@@ -319,7 +351,7 @@ def policy_replay(res: dict) -> List[str]:
         if decision is not None:
             reasons.append(decision.reason)
             current = decision.setting_id
-            sample = measured[json.dumps(decision.setting, sort_keys=True)]
+            sample = measured[_speed_key(decision.setting, stage)]
     return reasons
 
 
@@ -408,9 +440,12 @@ def drive(args) -> None:
         signal.signal(signal.SIGTERM, old_term)
         signal.signal(signal.SIGINT, old_int)
     res["policy"] = policy_replay(res)
+    res["policy_with_quality"] = policy_replay(res, quality=True)
     print(format_table(res))
     for line in res["policy"]:
-        print("driver policy on these measurements:", line)
+        print("driver policy on these measurements (speed only):", line)
+    for line in res["policy_with_quality"]:
+        print("driver policy with the recorded quality gate (type auto as shipped):", line)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=2)

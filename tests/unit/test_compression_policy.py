@@ -109,6 +109,18 @@ def test_bench_replay_settles_on_the_measured_best():
     reasons = bench.policy_replay(res)
     assert [r.split(":")[0] for r in reasons[:3]] == ["trying topk 0.01", "trying powersgd rank 4", "trying bf16"]
     assert reasons[-1].startswith("settled on powersgd rank 4 (2.22x faster than dense)")
+    # As `type: auto` ships (the quality records on): top-k 0.01 (no warm-up: it did not learn)
+    # and PowerSGD rank 4 (+8.5%) are left out; 1-bit Adam's momentum form is timed by the
+    # measured onebit run (the same exchange) and wins against bf16.
+    res["zero_stage"] = 2
+    res["settings"]["onebit"] = s({"type": "onebit", "warmup_steps": 1}, 2.834, 0.44, 2.1e5)
+    gated = bench.policy_replay(res, quality=True)
+    assert gated[0].startswith("trying onebit momentum") and "topk 0.01 left out" in gated[0]
+    assert gated[-1].startswith("settled on onebit momentum (2.11x faster than dense)")
+    assert "bf16 4.127" in gated[-1]
+    res["zero_stage"] = 3  # the engine would run the gradient form: nothing measured times the candidate
+    assert "onebit" not in bench.policy_replay(res, quality=True)[-1]
+    del res["settings"]["onebit"], res["zero_stage"]
     res["settings"]["dense"] = s(None, 0.370, 0.030, 6.7e6)  # loopback: 8% communication
     [keep] = bench.policy_replay(res)
     assert keep.startswith("keeping dense")
