@@ -133,10 +133,6 @@ class Config:
                                         + (" (amsgrad)" if self.optimizer.params.get("amsgrad") else "")),
                                "use Adam or AdamW without amsgrad, or another compression type",
                                cls=NotSupportedError)
-        if self.fault_tolerance.replicas and self.fault_tolerance.mode == "replay":
-            raise config_error("gradient_compression.type, fault_tolerance.mode", "not supported together yet",
-                               Verbatim("'onebit' with 'replay'"), "use fault_tolerance.mode 'copy'",
-                               cls=NotSupportedError)
         why = self.onebit_momentum_obstacle()
         if why and self.gradient_compression.form == "momentum":
             raise config_error("gradient_compression.form", f"the momentum form cannot run with {why}",

@@ -195,14 +195,15 @@ def test_a_killed_rank_is_rebuilt_from_its_buddys_copy(tmp_path: Path, stage: in
 OFFLOAD = {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}
 TOPK = {"gradient_compression": {"type": "topk", "topk_ratio": 0.1, "warmup_steps": 2}}
 POWERSGD = {"gradient_compression": {"type": "powersgd", "rank": 2}}
+ONEBIT = {"gradient_compression": {"type": "onebit", "warmup_steps": 2}}  # the momentum form from step 2
 FP16_THEN_FP32 = {"fp16": {"enabled": True, "initial_scale_power": 8},
                   "precision": {"schedule": [{"step": 4, "dtype": "fp32"}]}}
 
 
 @pytest.mark.parametrize("stage,kill,extra", [
     (2, (4, "backward"), OFFLOAD), (2, (5, "after_step"), TOPK), (1, (3, "backward"), POWERSGD),
-    (2, (5, "backward"), FP16_THEN_FP32), (3, (2, "after_step"), OFFLOAD)],
-    ids=["offload", "topk", "powersgd", "fp16-schedule", "stage3-offload"])
+    (2, (5, "backward"), FP16_THEN_FP32), (3, (2, "after_step"), OFFLOAD), (2, (4, "after_step"), ONEBIT)],
+    ids=["offload", "topk", "powersgd", "fp16-schedule", "stage3-offload", "onebit"])
 def test_recovery_keeps_offload_compression_and_precision_state(tmp_path: Path, stage: int, kill: tuple,
                                                                 extra: dict) -> None:
     run_with_loss(tmp_path, stage, kill, extra)
@@ -215,9 +216,10 @@ REPLAY = {"fault_tolerance": {"mode": "replay"}}
     (1, (3, "backward"), REPLAY), (2, (5, "after_step"), REPLAY), (3, (4, "committed"), REPLAY),
     (2, (4, "backward"), {**OFFLOAD, **REPLAY}), (2, (3, "committed"), {**TOPK, **REPLAY}),
     (2, (5, "backward"), {**FP16_THEN_FP32, **REPLAY}),
-    (3, (3, "committed"), {"zero_optimization": {"offload_optimizer": {"device": "cpu", "ratio": 0.5}}, **REPLAY})],
+    (3, (3, "committed"), {"zero_optimization": {"offload_optimizer": {"device": "cpu", "ratio": 0.5}}, **REPLAY}),
+    (2, (5, "committed"), {**ONEBIT, **REPLAY})],
     ids=["stage1", "stage2", "stage3-committed", "offload", "topk-committed", "fp16-schedule",
-         "stage3-partial-offload-committed"])
+         "stage3-partial-offload-committed", "onebit-committed"])
 def test_replay_mode_rebuilds_a_killed_rank_from_the_copy_its_buddy_stepped(
         tmp_path: Path, stage: int, kill: tuple, extra: dict) -> None:
     # The buddy's copy was never sent whole after the first step: it was stepped with the
@@ -255,11 +257,11 @@ def test_a_rank_lost_with_its_buddy_falls_back_to_the_checkpoint(tmp_path: Path,
     assert_state(got["state"], json.loads((tmp_path / "reference.json").read_text()))
 
 
-def buddy_copies(rank: int, world: int, out: str, mode: str) -> None:
+def buddy_copies(rank: int, world: int, out: str, mode: str, compression: str = "topk") -> None:
     from hybrid_ray.engine.replicas import KEEPER
 
-    e = engine(2, {"gradient_compression": {"type": "topk", "topk_ratio": 0.2},
-                   "fault_tolerance": {"mode": mode}})
+    gc = ONEBIT["gradient_compression"] if compression == "onebit" else {"type": "topk", "topk_ratio": 0.2}
+    e = engine(2, {"gradient_compression": gc, "fault_tolerance": {"mode": mode}})
     while e.global_steps < STEPS:
         train_one(e)
         e.replicas.wait()  # the exchange of this step has committed (replay: and been applied)
@@ -276,6 +278,8 @@ def buddy_copies(rank: int, world: int, out: str, mode: str) -> None:
     e.destroy()
 
 
-@pytest.mark.parametrize("mode", ["copy", "replay"])
-def test_the_buddys_copy_equals_the_owners_shard_after_every_step(tmp_path: Path, mode: str) -> None:
-    spawn.run(buddy_copies, 3, str(tmp_path), mode, timeout_s=60)
+@pytest.mark.parametrize("mode,compression", [("copy", "topk"), ("replay", "topk"), ("replay", "onebit")])
+def test_the_buddys_copy_equals_the_owners_shard_after_every_step(tmp_path: Path, mode: str, compression: str) -> None:
+    # onebit: after its warm-up the buddy steps its copy with the averaged momentum and the
+    # variance frozen, as the owner does
+    spawn.run(buddy_copies, 3, str(tmp_path), mode, compression, timeout_s=60)

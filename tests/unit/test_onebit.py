@@ -107,8 +107,6 @@ def test_frozen_step_needs_a_warm_up_and_an_adam():
      r"gradient_compression\.type, optimizer\.type.*'onebit' with SGD"),
     ({"gradient_compression": {"type": "onebit", "warmup_steps": 5},
       "optimizer": {"type": "Adam", "params": {"amsgrad": True}}}, r"amsgrad"),
-    ({"gradient_compression": {"type": "onebit", "warmup_steps": 5},
-      "fault_tolerance": {"replicas": 1, "mode": "replay"}}, r"'onebit' with 'replay'"),
     ({"gradient_compression": {"type": "onebit", "warmup_steps": 5, "form": "momentum"},
       "zero_optimization": {"stage": 3}}, r"gradient_compression\.form: .*ZeRO stage 3.*use form 'gradient'"),
     ({"gradient_compression": {"type": "onebit", "warmup_steps": 5, "form": "momentum"},

@@ -3,7 +3,8 @@
 Instead of the updated shard (12 bytes per element with Adam), each step sends the reduced
 gradient shard (4 bytes per element) and a few scalars: the clip coefficient, whether the step
 was applied (an fp16 overflow skips it), the optimizer's hyperparameters for the step (the LR
-schedule's), and the rank's own state (RNG, compression residuals). The buddy applies the same
+schedule's), whether 1-bit Adam froze the variance (its "gradient" is then the averaged
+momentum in the momentum form), and the rank's own state (RNG, compression residuals). The buddy applies the same
 optimizer update to its copy; with the same kernel and dtype (both on the CPU: a CPU engine, or
 optimizer offload) the copy stays bitwise equal to the owner's shard.
 
@@ -21,6 +22,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from ..checkpoint.state import TrainState
+from ..zero.frozen import FrozenStep
 from ..zero.offload import cpu_optimizer_kwargs
 from ..zero.optimizer import step_masters
 from ..zero.relayout import scalar_state
@@ -39,6 +41,7 @@ class Pending:
     coef: float
     hyper: Optional[List[dict]]  # per optimizer group, without its params
     part: bytes  # the rank's own state after the step (snapshot.Snapshot.rank_part)
+    frozen: Optional[tuple] = None  # 1-bit Adam after its warm-up: the step's FrozenStep fields
 
 
 def hyperparameters(optimizer: torch.optim.Optimizer) -> List[dict]:
@@ -91,13 +94,16 @@ class Stepper:
             return
         for group, i in zip(self._groups, self._group_index):
             group.update({k: v for k, v in pending.hyper[i].items() if k not in _IMPLEMENTATION})
-        step_masters(self.params, pending.grads, pending.coef, self.optimizer)
+        frozen = FrozenStep(*pending.frozen) if pending.frozen is not None else None
+        step_masters(self.params, pending.grads, pending.coef, self.optimizer, frozen)
 
 
-def header(step: int, coef: float, hyper: Optional[List[dict]], part: bytes) -> bytes:
-    return snap.pack({"step": step, "coef": coef, "hyper": hyper, "part": part})
+def header(step: int, coef: float, hyper: Optional[List[dict]], part: bytes,
+           frozen: Optional[FrozenStep] = None) -> bytes:
+    return snap.pack({"step": step, "coef": coef, "hyper": hyper, "part": part,
+                      "frozen": None if frozen is None else tuple(frozen)})
 
 
 def pending_from(data: bytes, grads: Optional[List[torch.Tensor]]) -> Pending:
     h: Dict[str, Any] = snap.unpack(data)
-    return Pending(h["step"], grads, h["coef"], h["hyper"], h["part"])
+    return Pending(h["step"], grads, h["coef"], h["hyper"], h["part"], h.get("frozen"))

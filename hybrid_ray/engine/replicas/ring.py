@@ -200,7 +200,8 @@ class Replicator:
         self._rank_cache = (step, mine)
         part = snap.pack({"rng": snap.rng_objects(), "rank": mine})
         hyper = replay.hyperparameters(update.optimizer) if update is not None else None
-        data = replay.header(step, update.coef if update is not None else 0.0, hyper, part)
+        data = replay.header(step, update.coef if update is not None else 0.0, hyper, part,
+                             update.frozen if update is not None else None)
         try:
             self._replay_exchange(step, data, update is not None)
         except Exception as e:  # noqa: BLE001 - one type for the caller, the cause chained
