@@ -51,7 +51,8 @@ RECORDS = (
     QualityRecord("onebit", None, 200, 0.086, _YARD, (("form", "gradient"), ("update_bound", True))),
     QualityRecord("onebit", None, 200, 0.190, _YARD + " (1-bit Adam as published)",
                   (("form", "momentum"), ("update_bound", False))),
-    QualityRecord("onebit", None, 200, 0.454, _YARD + " (as published)", (("form", "gradient"), ("update_bound", False))),
+    QualityRecord("onebit", None, 200, 0.454, _YARD + " (as published)",
+                  (("form", "gradient"), ("update_bound", False))),
 )
 
 

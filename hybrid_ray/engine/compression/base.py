@@ -30,6 +30,11 @@ class ErrorFeedback:
         self.step = 0  # optimizer steps seen (on_step), drives the warm-up
         self.timer = StepTimer(torch.device("cpu"))  # the reducer hands in its own
 
+    @property
+    def warming(self) -> bool:
+        """Still in the warm-up: the next reduction is dense, or denser than the setting asks."""
+        return self.step < self.warmup_steps
+
     def residual_stores(self) -> Tuple[Dict[Any, torch.Tensor], ...]:
         """Every dict of residuals this compressor keeps (a subclass may keep more than one)."""
         return (self.residuals,)

@@ -4,9 +4,9 @@ Instead of the updated shard (12 bytes per element with Adam), each step sends t
 gradient shard (4 bytes per element) and a few scalars: the clip coefficient, whether the step
 was applied (an fp16 overflow skips it), the optimizer's hyperparameters for the step (the LR
 schedule's), whether 1-bit Adam froze the variance (its "gradient" is then the averaged
-momentum in the momentum form), and the rank's own state (RNG, compression residuals). The buddy applies the same
-optimizer update to its copy; with the same kernel and dtype (both on the CPU: a CPU engine, or
-optimizer offload) the copy stays bitwise equal to the owner's shard.
+momentum in the momentum form), and the rank's own state (RNG, compression residuals). The buddy
+applies the same optimizer update to its copy; with the same kernel and dtype (both on the CPU:
+a CPU engine, or optimizer offload) the copy stays bitwise equal to the owner's shard.
 
 A copy needs a base: after the ring's first step, and whenever a precision switch lays the
 shards out anew, the rank sends its whole shard once (as copy mode does), with what the buddy

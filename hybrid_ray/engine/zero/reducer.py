@@ -352,7 +352,7 @@ class GradReducer:
         """After an optimizer step: close the step's bytes and times; keep residuals (the
         compressor's and any carried ones) in the new loss scale, drop them after an overflow."""
         c = self.compressor
-        self.stats.end_step(self.timer.collect(), c is not None and c.step < c.warmup_steps)
+        self.stats.end_step(self.timer.collect(), c is not None and c.warming)
         if c is not None:
             c.on_step(overflow, scale_ratio)
         if overflow:
