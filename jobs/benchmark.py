@@ -136,6 +136,9 @@ def _hybrid_step(a: argparse.Namespace, model: nn.Module) -> Callable:
         cfg["fault_tolerance"] = {"replicas": 1, "mode": "replay"} if a.replay else \
             {"replicas": 1, "copy_interval": a.replicas}
     engine, _, _, _ = hybrid_ray.initialize(model, config=cfg)
+    if a.replicas and a.replay and engine.topology.world_size == 1:  # no buddy: stand in for one
+        from replay_loop import loopback_buddy
+        loopback_buddy(engine)
     if a.impl == "hybrid-pipe":
         # train_batch over one micro-batch (gradient_accumulation_steps 1): the loss is the
         # PipelineModule's loss_fn of its output, as a pipelined script trains

@@ -7,6 +7,10 @@ copy to every spare (Worker.hold_copy), one push at a time; the spare that repla
 then recovers that step from its own memory. The worker pushes rather than the driver pulling
 so that the copy the spares hold trails the worker by one push, not by a poll interval. A push
 cut short by the worker's death fails on the spare, which keeps the copy it had.
+
+A single spare on the worker's node does better than pushes: after the first push it opens
+shared slots (Worker.open_slots) and the worker's copies land in them directly from then on
+(engine/replicas/slots.py), so the spare holds each step as soon as its copy is done.
 """
 from __future__ import annotations
 
@@ -29,11 +33,13 @@ class SparePusher:
         self._sent = -1  # the newest step every current spare took
         self._lock = threading.Lock()
         self._thread: Any = None
+        self._slots_for: Any = None  # (spare, spec) the slots were asked of: asked once
 
     def set_spares(self, handles: List[Any]) -> None:
         """Feed these spares from now on (none: stop feeding); a new set starts from nothing."""
         with self._lock:
-            self._spares, self._sent = list(handles), -1
+            self._spares, self._sent, self._slots_for = list(handles), -1, None
+        handoff.detach_slots()
         if handles and self._thread is None:
             self._thread = threading.Thread(target=self._loop, daemon=True, name="hybrid-ray-spare-copies")
             self._thread.start()
@@ -60,7 +66,7 @@ class SparePusher:
         with handoff.exported(after) as copy:
             if copy is None:
                 return after
-            step = copy["step"]
+            step, spec = copy["step"], handoff.slot_spec(copy)
             # .remote() serialises its argument into the object store before it returns: the
             # snapshot's buffers can go back to the training thread's copies right after.
             replies = [s.hold_copy.remote(copy) for s in spares]
@@ -68,4 +74,25 @@ class SparePusher:
         ray.get(replies, timeout=self.timeout_s)
         log.info("step %d's replica copy went to %d warm spare(s): sent in %.2f s, held after %.2f s more",
                  step, len(spares), sent - start, time.monotonic() - sent)
+        self._share_slots(spares, spec)
         return step
+
+    def _share_slots(self, spares: List[Any], spec: dict) -> None:
+        """One spare on this node: the copies after this one go into slots it shares with this
+        process (asked once per spare and layout; a spare elsewhere answers None)."""
+        if len(spares) != 1 or self._slots_for == (spares[0], spec):
+            return
+        import ray
+        self._slots_for = (spares[0], spec)
+        try:
+            path = ray.get(spares[0].open_slots.remote(spec, ray.get_runtime_context().get_node_id()),
+                           timeout=self.timeout_s)
+            if path is None:
+                return
+            with self._lock:  # not if the spares changed meanwhile (set_spares detaches)
+                if self._spares == spares:
+                    handoff.attach_slots(path, spec)
+                    log.info("replica copies go into slots shared with the warm spare from now on (%s)", path)
+        except Exception as e:  # noqa: BLE001 - the pushes go on instead
+            log.warning("shared replica slots with the warm spare failed, copies keep being pushed: %s",
+                        str(e)[:200])

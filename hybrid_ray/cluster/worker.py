@@ -108,6 +108,7 @@ class Worker:
     def _main(self, fn: Callable[[WorkerContext], Any], spec: Dict[str, Any]) -> None:
         state, error = FINISHED, None
         try:
+            handoff.adopt_slots()  # a spare joining: the copy its lone worker left in shared slots
             topo = _join(spec, self._abort)
             ctx = WorkerContext(topo, spec["generation"], spec["storage_path"], spec["run_name"],
                                 self._report, self._beat, self._stop.is_set, lambda: self._directive,
@@ -175,6 +176,18 @@ class Worker:
         recovers from it without reading storage. The step it holds now (-1: none; None only
         asks)."""
         return handoff.import_copy(copy)
+
+    def open_slots(self, spec: Dict[str, Any], node_id: str) -> Optional[str]:
+        """A spare on the lone worker's node (`node_id`) shares memory for its copies
+        (spare_copies.py); the slots' path, or None on another node."""
+        import ray
+        if node_id != ray.get_runtime_context().get_node_id():
+            return None
+        return handoff.open_slots(spec)
+
+    def holds_slots(self) -> bool:
+        """Whether this spare's lone worker copies into memory it shares (else it pushes)."""
+        return handoff.holds_slots()
 
     def request_stop(self) -> None:
         """Stop at the next checkpoint boundary (growth)."""

@@ -2,7 +2,8 @@
 local Ray: the LM job with one worker, `fault_tolerance.replicas` and one warm spare; the worker
 is killed once the spare holds its copy of a given step, the spare replaces it and recovers
 from the copy in its own memory (no checkpoint read: the only checkpoint is the run's last),
-at that step or a newer one, and the run ends exactly where an uninterrupted one does."""
+at that step or a newer one, and the run ends exactly where an uninterrupted one does. On one
+node the copies after the first push go into slots shared with the spare (slots.py)."""
 from __future__ import annotations
 
 import os
@@ -30,17 +31,19 @@ def lone(data, out, spares: int, later: int = None):  # noqa: F811
                              storage_path=os.path.dirname(out), run_name=os.path.basename(out))
     if later is None:
         return trainer.fit()
-    seen = {"first": -1, "held": -1}
+    seen = {"first": -1, "held": -1, "slots": False}
 
     def ready(controller) -> bool:  # `later` steps after the spare's first copy
         import ray
         if not controller.group.spares:
             return False
-        seen["held"] = ray.get(controller.group.spares[0].handle.hold_copy.remote(None), timeout=200)
+        spare = controller.group.spares[0].handle
+        seen["held"] = ray.get(spare.hold_copy.remote(None), timeout=200)
+        seen["slots"] = ray.get(spare.holds_slots.remote(), timeout=200)
         if seen["first"] < 0:
             seen["first"] = seen["held"]
         return seen["first"] >= 0 and seen["held"] >= seen["first"] + later
-    return fit_killing(trainer, ready, victim=0), seen["held"]
+    return fit_killing(trainer, ready, victim=0), seen
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +53,8 @@ def plain(ray_session, data, tmp_path_factory):  # noqa: F811
 
 @pytest.mark.parametrize("later", [2, 20])
 def test_a_lone_workers_spare_recovers_it_from_the_copy_it_holds(ray_session, data, plain, tmp_path, later):  # noqa: F811
-    killed, held = lone(data, str(tmp_path / "killed"), spares=1, later=later)
+    killed, seen = lone(data, str(tmp_path / "killed"), spares=1, later=later)
+    held = seen["held"]
     assert killed.failures == 1 and killed.world_sizes == [1, 1], killed.events
     assert "1 warm spare(s) joined" in killed.events, killed.events
     assert killed.value.val_loss == plain.value.val_loss  # bitwise: same state, data and RNG
@@ -59,3 +63,5 @@ def test_a_lone_workers_spare_recovers_it_from_the_copy_it_holds(ray_session, da
     step = int(re.search(r"resumed at step (\d+)", resumed[0]).group(1))
     assert STEPS > step >= held, (step, held)  # the copy it held when the worker died, or newer
     assert [r["step"] for r in killed.records if "train_loss" in r][-1] == STEPS
+    # One node: after the first push, the worker's copies went into memory shared with the spare.
+    assert seen["slots"] or later == 2, seen

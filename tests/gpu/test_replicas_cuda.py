@@ -60,3 +60,36 @@ def test_replay_on_the_host_follows_the_device_update() -> None:
         for master, held in zip(e.zero.masters, copy):
             assert torch.allclose(master.detach().cpu(), held["master"], rtol=0, atol=1e-6)
     e.destroy()
+
+
+@pytest.mark.parametrize("extra", [{}, {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}],
+                         ids=["device-masters", "offloaded-masters"])
+def test_copies_into_a_spares_shared_slots_equal_each_steps_shard(extra) -> None:
+    # A lone worker with a warm spare on its node: the side stream's copies land in the slots
+    # the spare shares (page-locked in this process), whole once the copy thread marks them.
+    from hybrid_ray.engine.replicas import handoff
+
+    KEEPER.clear()
+    e = engine({"bf16": {"enabled": True}, "fault_tolerance": {"replicas": 1}, **extra})
+    e.backward(e(*batch(0)))
+    e.step()
+    e.replicas.wait()
+    with handoff.exported(-1) as copy:
+        spec = handoff.slot_spec(copy)
+    handoff.attach_slots(handoff.open_slots(spec), spec)
+    try:
+        assert KEEPER.slot_writer.pinned or extra
+        for step in range(1, 5):
+            e.backward(e(*batch(step)))
+            e.step()
+            e.replicas.wait()
+            desc, held = handoff._SPARE_SLOTS.read()
+            assert desc["step"] == e.global_steps
+            for live, copy in zip(e.zero.masters, held):
+                assert torch.equal(live.detach().cpu(), copy["master"])
+                assert torch.equal(e.optimizer.state[live]["exp_avg_sq"].cpu(), copy["exp_avg_sq"])
+    finally:
+        e.destroy()
+        handoff.detach_slots()
+        handoff.close_slots()
+        KEEPER.clear()

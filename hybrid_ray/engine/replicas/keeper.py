@@ -39,6 +39,15 @@ class Keeper:
         self._spare: Dict[str, Snapshot] = {}  # "own"/"held": a dropped snapshot, for its buffers
         self.pending: Optional[Any] = None  # replay: the buddy's next step (replay.Pending)
         self._leased: set = set()  # ids of own snapshots being copied out (lease_newest_own)
+        # A lone worker's: the warm spare's shared slots its copies now go to (slots.SlotWriter).
+        self.slot_writer: Optional[Any] = None
+
+    def swap_slot_writer(self, writer: Optional[Any]) -> Optional[Any]:
+        """Send this process's copies to `writer`'s slots from the next one on (None: to its own
+        memory again); the writer replaced, for the caller to close."""
+        with self._lock:
+            old, self.slot_writer = self.slot_writer, writer
+            return old
 
     def start(self, run: Optional[str]) -> None:
         """A new group of this run begins snapshotting; snapshots of another run are dropped."""

@@ -64,6 +64,7 @@ class Replicator:
         self._copied: Any = None  # the last snapshot's copy: done before the next update
         self._stream: Any = None  # the side stream of device-to-host copies (GPU)
         self._layout: Optional[tuple] = None  # (ids of the spaces, their layout)
+        self._slotted = False  # the last copy went into a warm spare's slots (slots.py)
         self.run: Optional[str] = None  # the checkpoint directory of the run (Engine sets it)
         self.pin = topo.device.type == "cuda"
         # How the last load went: {"source": "memory" | "disk", "step", "reason", "seconds"}.
@@ -106,28 +107,36 @@ class Replicator:
     def after_step(self, ts: TrainState, step: int, rank_state: Callable[[], dict]) -> None:
         """Called after each optimizer step: every copy_interval steps, copy the shard to host
         memory off the training thread's path (a side stream on a GPU, the exchange thread on
-        the CPU) and send it to the buddy. rank_state: the engine's other per-rank state."""
-        if self.replay:
+        the CPU) and send it to the buddy. rank_state: the engine's other per-rank state. A lone
+        rank whose warm spare shares slots with it (slots.py) copies into those instead, every
+        step in replay mode (which has nobody to replay to)."""
+        writer = self.keeper.slot_writer if self.group is None else None
+        if self.replay and writer is None:
+            if self._slotted:  # back from the slots: the ring starts over from a base
+                self._slotted, self._layout = False, None
             self._capture_live(ts, step, rank_state)
             return
-        if step % self.settings.copy_interval:
+        if not self.replay and step % self.settings.copy_interval:
             return
         self.wait()
         spaces = tuple(id(s) for s in ts.spaces)  # a precision switch lays the spaces out anew
         if self._layout is None or self._layout[0] != spaces:
             self._layout = (spaces, snap.layout(ts))
             self.keeper.start(self.run)
-        reuse = self.keeper.recycled("own")
         live = snap.shard_tensors(ts)
+        begun = writer.begin(live) if writer is not None else None
+        slot = (writer, *begun) if begun is not None else None
+        self._slotted = slot is not None
+        into = slot[2] if slot is not None else getattr(self.keeper.recycled("own"), "tensors", None)
         small = snap.small_state(ts, self._layout[1], rank_state())  # counters, RNG: this thread's
         copied: Any = threading.Event()
         if self.pin:
-            live, copied = self._device_copy(live, reuse), torch.cuda.Event()
+            live, copied = self._device_copy(live, into), torch.cuda.Event()
             copied.record(self._stream)
-            reuse = None
+            into = None
         self._copied = copied
         own = snap.Snapshot(step, self.rank, self.world, [], small, self.run)
-        self._inflight = self._pool.submit(self._copy_and_exchange, own, live, reuse, copied)
+        self._inflight = self._pool.submit(self._copy_and_exchange, own, live, into, copied, slot)
 
     # ---- replay mode ------------------------------------------------------------------------
     def _capture_live(self, ts: TrainState, step: int, rank_state: Callable[[], dict]) -> None:
@@ -251,13 +260,13 @@ class Replicator:
         else:
             torch.cuda.current_stream().wait_event(copied)
 
-    def _device_copy(self, live: List[snap.Tensors], reuse: Optional[snap.Snapshot]) -> List[snap.Tensors]:
+    def _device_copy(self, live: List[snap.Tensors], into: Optional[List[snap.Tensors]]) -> List[snap.Tensors]:
         """Device-to-host copies into pinned buffers on a side stream, after the step's kernels."""
         if self._stream is None:
             self._stream = torch.cuda.Stream()
         self._stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self._stream):
-            return snap.copy_into(live, reuse.tensors if reuse else None, True)
+            return snap.copy_into(live, into, True)
 
     def wait(self) -> None:
         """Wait for the exchange in flight; its failure is raised here, once."""
@@ -281,13 +290,20 @@ class Replicator:
 
     # ---- the exchange thread -----------------------------------------------------------
     def _copy_and_exchange(self, own: snap.Snapshot, live: List[snap.Tensors],
-                           reuse: Optional[snap.Snapshot], copied: Any) -> None:
-        if isinstance(copied, threading.Event):  # host tensors: copied here, then released
-            own.tensors = snap.copy_into(live, reuse.tensors if reuse else None, False)
-            copied.set()
-        else:
-            copied.synchronize()
-            own.tensors = live  # the pinned copies the side stream filled
+                           into: Optional[List[snap.Tensors]], copied: Any, slot: Optional[tuple]) -> None:
+        try:
+            if isinstance(copied, threading.Event):  # host tensors: copied here, then released
+                own.tensors = snap.copy_into(live, into, False)
+                copied.set()
+            else:
+                copied.synchronize()
+                own.tensors = live  # the pinned copies the side stream filled
+            if slot is not None:  # into the spare's slots: it holds the step now
+                slot[0].finish(slot[1], own, self.keeper.disk_step)
+                return
+        finally:
+            if slot is not None:
+                slot[0].end()
         self.keeper.put_own(own, self.token)
         if self.group is None:
             self.keeper.commit(own.step, self.token)
