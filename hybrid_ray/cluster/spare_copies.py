@@ -40,6 +40,7 @@ class SparePusher:
         with self._lock:
             self._spares, self._sent, self._slots_for = list(handles), -1, None
         handoff.detach_slots()
+        handoff.want_copies(bool(handles))
         if handles and self._thread is None:
             self._thread = threading.Thread(target=self._loop, daemon=True, name="hybrid-ray-spare-copies")
             self._thread.start()

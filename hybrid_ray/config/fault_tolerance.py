@@ -24,7 +24,8 @@ class FaultToleranceConfig:
     """Steps between copies (mode copy): a recovery redoes at most this many steps."""
     spare_workers: int = checked(0, ge=0)
     """Actors the Ray driver keeps started and waiting, so a lost worker is replaced at once;
-    a group of one worker with replicas (mode copy) keeps its copies on them."""
+    a group of one worker with replicas keeps its copies on them (in shared memory when one
+    spare is on its node: 2 x 12 bytes per parameter of /dev/shm with Adam)."""
     timeout_s: float = checked(60.0, gt=0)
     """Seconds a copy waits for its buddy before the exchange counts as failed."""
 

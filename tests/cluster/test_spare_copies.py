@@ -21,11 +21,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 STEPS = 600  # long enough for the spare to warm up and take copies while the worker trains
 
 
-def lone(data, out, spares: int, later: int = None):  # noqa: F811
+def lone(data, out, spares: int, later: int = None, mode: str = "copy"):  # noqa: F811
     raw = job(data, out, steps=STEPS)
     raw["train"].update(save_interval=STEPS, eval_interval=STEPS)  # nothing on disk to fall back to
     raw["engine"]["zero_optimization"] = {"stage": 2}
-    raw["engine"]["fault_tolerance"] = {"replicas": 1, "spare_workers": spares}
+    raw["engine"]["fault_tolerance"] = {"replicas": 1, "spare_workers": spares, "mode": mode}
     trainer = ElasticTrainer(LMTrainFn(raw), ScalingConfig(min_workers=1, max_workers=1, spare_workers=spares),
                              FailureConfig(max_failures=2, collective_timeout_s=10.0),
                              storage_path=os.path.dirname(out), run_name=os.path.basename(out))
@@ -51,9 +51,10 @@ def plain(ray_session, data, tmp_path_factory):  # noqa: F811
     return lone(data, str(tmp_path_factory.mktemp("spare") / "plain"), spares=0)
 
 
-@pytest.mark.parametrize("later", [2, 20])
-def test_a_lone_workers_spare_recovers_it_from_the_copy_it_holds(ray_session, data, plain, tmp_path, later):  # noqa: F811
-    killed, seen = lone(data, str(tmp_path / "killed"), spares=1, later=later)
+@pytest.mark.parametrize("later,mode", [(2, "copy"), (20, "copy"), (20, "replay")])
+def test_a_lone_workers_spare_recovers_it_from_the_copy_it_holds(ray_session, data, plain, tmp_path, later, mode):  # noqa: F811
+    # replay: a lone worker has nobody to replay to; for its spare it copies every step instead
+    killed, seen = lone(data, str(tmp_path / "killed"), spares=1, later=later, mode=mode)
     held = seen["held"]
     assert killed.failures == 1 and killed.world_sizes == [1, 1], killed.events
     assert "1 warm spare(s) joined" in killed.events, killed.events

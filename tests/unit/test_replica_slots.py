@@ -47,6 +47,7 @@ def shard(e: Engine) -> torch.Tensor:
 def clean():
     KEEPER.clear()
     yield
+    handoff.want_copies(False)
     handoff.detach_slots()
     handoff.close_slots()
     KEEPER.clear()
@@ -61,13 +62,15 @@ def share(e: Engine) -> None:
 
 @pytest.mark.parametrize("mode", ["copy", "replay"])
 def test_the_slots_hold_the_engines_shard_after_every_step(tmp_path: Path, clean, mode: str) -> None:
-    e = engine("copy")
+    e = engine(mode)
     e.save_checkpoint(str(tmp_path))  # names the run
     step(e)
+    assert handoff.newest_step() == -1  # nobody wants copies: replay mode makes none at one rank
+    handoff.want_copies(True)  # a warm spare (the cluster layer's set_spares)
+    step(e)
     e.replicas.wait()
+    assert handoff.newest_step() == 2
     share(e)
-    if mode == "replay":  # a lone rank in replay mode copies every step into the slots
-        e.replicas.replay = True
     for _ in range(4):
         step(e)
         e.replicas.wait()
@@ -75,7 +78,7 @@ def test_the_slots_hold_the_engines_shard_after_every_step(tmp_path: Path, clean
         assert desc["step"] == e.global_steps and desc["rank"] == 0 and desc["world"] == 1
         assert torch.equal(torch.cat([t.reshape(-1) for ts in tensors for t in ts.values()]), shard(e))
         assert handoff.import_copy(None) == e.global_steps  # what the spare says it holds
-    assert handoff.newest_step() == 1  # no own host copy since the slots: nothing to push
+    assert handoff.newest_step() == 2  # no own host copy since the slots: nothing to push
     e.destroy()
 
 

@@ -142,6 +142,11 @@ def attach_slots(path: str, spec: dict, keeper: Keeper = KEEPER) -> None:
         old.close()
 
 
+def want_copies(wanted: bool, keeper: Keeper = KEEPER) -> None:
+    """A lone worker's: whether warm spares take its copies (replay mode makes them only then)."""
+    keeper.copies_wanted = wanted
+
+
 def detach_slots(keeper: Keeper = KEEPER) -> None:
     """A lone worker's: its copies go to its own memory again (the spare went, or joined)."""
     old = keeper.swap_slot_writer(None)

@@ -39,8 +39,10 @@ class Keeper:
         self._spare: Dict[str, Snapshot] = {}  # "own"/"held": a dropped snapshot, for its buffers
         self.pending: Optional[Any] = None  # replay: the buddy's next step (replay.Pending)
         self._leased: set = set()  # ids of own snapshots being copied out (lease_newest_own)
-        # A lone worker's: the warm spare's shared slots its copies now go to (slots.SlotWriter).
+        # A lone worker's: the warm spare's shared slots its copies now go to (slots.SlotWriter),
+        # and whether spares want its copies at all (replay mode makes none otherwise).
         self.slot_writer: Optional[Any] = None
+        self.copies_wanted = False
 
     def swap_slot_writer(self, writer: Optional[Any]) -> Optional[Any]:
         """Send this process's copies to `writer`'s slots from the next one on (None: to its own

@@ -64,7 +64,7 @@ class Replicator:
         self._copied: Any = None  # the last snapshot's copy: done before the next update
         self._stream: Any = None  # the side stream of device-to-host copies (GPU)
         self._layout: Optional[tuple] = None  # (ids of the spaces, their layout)
-        self._slotted = False  # the last copy went into a warm spare's slots (slots.py)
+        self._lone_copying = False  # replay mode, copying as a lone rank for its spares
         self.run: Optional[str] = None  # the checkpoint directory of the run (Engine sets it)
         self.pin = topo.device.type == "cuda"
         # How the last load went: {"source": "memory" | "disk", "step", "reason", "seconds"}.
@@ -108,12 +108,12 @@ class Replicator:
         """Called after each optimizer step: every copy_interval steps, copy the shard to host
         memory off the training thread's path (a side stream on a GPU, the exchange thread on
         the CPU) and send it to the buddy. rank_state: the engine's other per-rank state. A lone
-        rank whose warm spare shares slots with it (slots.py) copies into those instead, every
-        step in replay mode (which has nobody to replay to)."""
+        rank whose warm spare shares slots with it (slots.py) copies into those instead; in
+        replay mode a lone rank (nobody to replay to) copies every step while spares want it."""
         writer = self.keeper.slot_writer if self.group is None else None
-        if self.replay and writer is None:
-            if self._slotted:  # back from the slots: the ring starts over from a base
-                self._slotted, self._layout = False, None
+        if self.replay and not self._lone_copies():
+            if self._lone_copying:  # back from copies to replay: it starts over from a base
+                self._lone_copying, self._layout = False, None
             self._capture_live(ts, step, rank_state)
             return
         if not self.replay and step % self.settings.copy_interval:
@@ -126,7 +126,7 @@ class Replicator:
         live = snap.shard_tensors(ts)
         begun = writer.begin(live) if writer is not None else None
         slot = (writer, *begun) if begun is not None else None
-        self._slotted = slot is not None
+        self._lone_copying = self.replay
         into = slot[2] if slot is not None else getattr(self.keeper.recycled("own"), "tensors", None)
         small = snap.small_state(ts, self._layout[1], rank_state())  # counters, RNG: this thread's
         copied: Any = threading.Event()
@@ -139,6 +139,10 @@ class Replicator:
         self._inflight = self._pool.submit(self._copy_and_exchange, own, live, into, copied, slot)
 
     # ---- replay mode ------------------------------------------------------------------------
+    def _lone_copies(self) -> bool:
+        """A lone rank whose warm spares take its copies (into their slots, or pushed)."""
+        return self.group is None and (self.keeper.slot_writer is not None or self.keeper.copies_wanted)
+
     def _capture_live(self, ts: TrainState, step: int, rank_state: Callable[[], dict]) -> None:
         """The rank's state after `step`, by reference; a base for the buddy when it has none
         in this layout (the ring's first step, a precision switch, a load)."""
@@ -199,8 +203,8 @@ class Replicator:
         step) and this rank's own state go to the buddy, the buddy's come here, and every rank
         agrees before any applies. Raises ReplicaError when a peer is lost on the way."""
         self.wait()  # the base, or the last step's application to the copy
-        if not self._based:
-            return  # no base yet: this step is not a version the buddy can rebuild
+        if not self._based or self._lone_copies():
+            return  # no base yet (not a version the buddy can rebuild), or copies, not replay
         if self.group is None:  # one rank: nothing to send, the step is committed as it is
             self.keeper.commit(step, self.token)
             self.keeper.set_live(None, self.token)
