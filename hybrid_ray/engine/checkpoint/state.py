@@ -340,14 +340,18 @@ def _restore_module_extras(ts: TrainState, extras: Tensors) -> None:
 
 
 def apply(ts: TrainState, saved: Tensors, extras: Tensors, rng: Optional[bytes], meta: dict,
-          optimizer_states: bool, scheduler_state: bool, module_only: bool) -> None:
-    """Put a checkpoint's state into a (possibly differently laid out) engine."""
+          optimizer_states: bool, scheduler_state: bool, module_only: bool,
+          shards: Optional[List[Tensors]] = None) -> None:
+    """Put a checkpoint's state into a (possibly differently laid out) engine: whole parameters
+    (`saved`), or this rank's shards already in the engine's layout (`shards`)."""
     scalars = {}
     if optimizer_states:
         device = ts.master_device
         scalars = {k: from_json_scalar(v, device) for k, v in meta["optimizer_scalars"].items()}
-    state = _param_state(ts, saved, optimizer_states)
-    relayout.import_state(ts.spaces, ts.masters, ts.optimizer, state, scalars)
+    if shards is not None:
+        relayout.import_shards(ts.masters, ts.optimizer, shards, scalars)
+    else:
+        relayout.import_state(ts.spaces, ts.masters, ts.optimizer, _param_state(ts, saved, optimizer_states), scalars)
     ts.write_back()  # the model's parameters from the loaded masters
     _restore_module_extras(ts, extras)
     if module_only:

@@ -78,6 +78,23 @@ def _whole(p: Plan, keeper: Keeper, group, me: int, layouts: List[dict], keys: L
     return saved
 
 
+def _each_holds_its_own(p: Plan, world: int, layout: List[dict], ts: TrainState) -> bool:
+    """Whether every new rank r holds old rank r's shard, in this engine's layout (a lone
+    worker's spare, a restart at the same size): then each rank loads its own, no collective.
+    The same answer on every rank (the plan and the layouts are)."""
+    return p.world == world and all(p.sources[r][0] == r for r in range(world)) and layout == snap.layout(ts)
+
+
+def _keys_and_dtypes(p: Plan, keeper: Keeper, group, me: int) -> Tuple[List[List[str]], List[List[torch.dtype]]]:
+    """Per space, the state keys and their dtypes, as the holder of old rank 0's shard has them."""
+    src0, where0 = p.sources[0]
+    first = keeper.get(where0, p.step) if me == src0 else None
+    box = [[[(k, t.dtype) for k, t in ts_.items()] for ts_ in first.tensors] if first else None]
+    if group is not None:
+        dist.broadcast_object_list(box, group_src=src0, group=group)
+    return [[k for k, _ in s] for s in box[0]], [[d for _, d in s] for s in box[0]]
+
+
 def recover(ts: TrainState, keeper: Keeper, group: Optional[dist.ProcessGroup], run: Optional[str]
             ) -> Tuple[Optional[int], str, Optional[snap.SmallState]]:
     """Load the newest complete version of the replicas into `ts`: (its step, "ok", the small
@@ -90,17 +107,13 @@ def recover(ts: TrainState, keeper: Keeper, group: Optional[dist.ProcessGroup], 
     srcm, wherem = p.meta_source  # the step's counters and layout: the same for every old rank
     small = snap.parse_small(_broadcast_bytes(keeper.get(wherem, p.step).small if me == srcm else None,
                                               srcm, group, me))
-    src0, where0 = p.sources[0]
-    first = keeper.get(where0, p.step) if me == src0 else None
-    spec = [[(k, t.dtype) for k, t in ts_.items()] for ts_ in first.tensors] if first else None
-    box = [spec]
-    if group is not None:
-        dist.broadcast_object_list(box, group_src=src0, group=group)
-    keys = [[k for k, _ in s] for s in box[0]]
-    dtypes = [[d for _, d in s] for s in box[0]]
-    saved = _whole(p, keeper, group, me, small.layout, keys, dtypes)
+    saved, shards = {}, None
+    if _each_holds_its_own(p, world, small.layout, ts):  # no resharding: straight into place
+        shards = keeper.get(p.sources[me][1], p.step).tensors
+    else:
+        saved = _whole(p, keeper, group, me, small.layout, *_keys_and_dtypes(p, keeper, group, me))
     meta = dict(small.meta, world_size=p.world)
-    cstate.apply(ts, saved, small.extras, None, meta, True, True, False)
+    cstate.apply(ts, saved, small.extras, None, meta, True, True, False, shards)
     mine = None
     if p.world == world:  # same size: rank r continues old rank r's random streams
         mine = snap.with_part(small, _broadcast_per_rank(p, keeper, group, me, world))

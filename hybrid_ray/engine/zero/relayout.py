@@ -82,6 +82,21 @@ def import_state(spaces: List[FlatSpace], masters: List[torch.nn.Parameter],
             optimizer.state[master] = entry
 
 
+def import_shards(masters: List[torch.nn.Parameter], optimizer: torch.optim.Optimizer,
+                  shards: List[Dict[str, torch.Tensor]], scalars: Dict[str, object]) -> None:
+    """Fill masters and optimizer state from shards already in this layout (per space: "master"
+    and the per-element state), as `import_state` would from whole parameters, without cutting
+    and re-flattening them: a copy of this same rank's shard."""
+    for master, shard in zip(masters, shards):
+        with torch.no_grad():
+            master.copy_(shard["master"].view_as(master))
+        entry = {k: (v.to(master.device, copy=True) if torch.is_tensor(v) else v) for k, v in scalars.items()}
+        for key in sorted(k for k in shard if k != "master"):
+            entry[key] = shard[key].to(master.device, copy=True).view_as(master)
+        if len(entry) > len(scalars) or scalars:
+            optimizer.state[master] = entry
+
+
 def consolidated_state_dict(module: torch.nn.Module, spaces: List[FlatSpace],
                             masters: List[torch.Tensor], topo: Topology, dtype: torch.dtype,
                             rank0_only: bool = True) -> Dict[str, torch.Tensor]:
