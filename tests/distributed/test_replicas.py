@@ -283,3 +283,35 @@ def test_the_buddys_copy_equals_the_owners_shard_after_every_step(tmp_path: Path
     # onebit: after its warm-up the buddy steps its copy with the averaged momentum and the
     # variance frozen, as the owner does
     spawn.run(buddy_copies, 3, str(tmp_path), mode, compression, timeout_s=60)
+
+
+def restart_at_the_same_size(rank: int, world: int, out: str) -> None:
+    """Every rank's own copy survives: a new engine at the same size loads its own shard
+    straight into place (no resharding), and goes on exactly as the first would have."""
+    from hybrid_ray.engine.replicas import KEEPER
+    from hybrid_ray.engine.zero import relayout
+
+    def shard(e: Engine) -> torch.Tensor:  # this rank's masters and optimizer state
+        return torch.cat([m.detach().reshape(-1) for m in e.zero.masters]
+                         + [v.reshape(-1) for m in e.zero.masters for _, v in sorted(e.optimizer.state[m].items())
+                            if torch.is_tensor(v) and v.shape == m.shape])
+    direct, whole = [], relayout.import_shards
+    relayout.import_shards = lambda *a: (direct.append(1), whole(*a))
+    KEEPER.clear()
+    first = engine(2, {"fault_tolerance": {"mode": "copy"}})
+    first.save_checkpoint(out)
+    train(first)  # to STEPS; the last copy committed by the engine's close
+    first.replicas.wait()
+    want, mine = state(first), shard(first)
+    first.destroy()
+    again = engine(2, {})
+    again.load_checkpoint(out)
+    assert again.replicas.last_recovery["source"] == "memory" and again.global_steps == STEPS
+    assert direct, "not loaded straight into place"
+    assert torch.equal(shard(again), mine)
+    assert_state(state(again), want)
+    again.destroy()
+
+
+def test_a_same_size_restart_loads_each_ranks_own_copy(tmp_path: Path) -> None:
+    spawn.run(restart_at_the_same_size, 2, str(tmp_path), timeout_s=60)

@@ -246,10 +246,12 @@ def plan(summaries: List[dict], run: Optional[str]) -> Tuple[Optional[Plan], str
     if not mine:
         return None, NOTHING_HELD
     offers: Dict[Tuple[int, int], Dict[int, Tuple[int, str]]] = {}  # (version, world) -> old rank -> source
-    for new_rank, s in enumerate(summaries):
-        if s.get("run") != run:
-            continue
-        for where in ("own", "held"):  # own first: a rank's own copy is preferred to its buddy's
+    # Own copies first, on every rank: a rank that holds its own shard loads it without the
+    # others (recover._each_holds_its_own), where a buddy's copy would have to be sent.
+    for where in ("own", "held"):
+        for new_rank, s in enumerate(summaries):
+            if s.get("run") != run:
+                continue
             for version, (old_rank, world) in s[where].items():
                 offers.setdefault((version, world), {}).setdefault(old_rank, (new_rank, where))
     # Who holds each (version, world)'s counters and layout (a replayed copy holds only its
