@@ -207,3 +207,40 @@ def test_the_benchmarks_loopback_buddy_steps_its_copy_bitwise_as_the_engine() ->
     box["fut"].result()
     assert all(torch.equal(p.detach(), m.detach()) for p, m in zip(box["stepper"].params, e.zero.masters))
     e.destroy()
+
+
+def _write_forever(path: str, spec: dict, wrote) -> None:
+    """Child: a writer whose driver never killed it (hung, then woken): copies on and on."""
+    from hybrid_ray.engine.replicas import snapshot as snap
+    writer = sl.SlotWriter(sl.Slots.attach(path, spec), pin=False)
+    s = 0
+    while True:
+        s += 1
+        live = [{"master": torch.full((40,), float(s))}]
+        i, views = writer.begin(live)
+        snap.copy_into(live, views, False)
+        writer.finish(i, Snapshot(s, 0, 1, views, b"x", "/run"), -1)
+        writer.end()
+        wrote.set()
+
+
+def test_a_copy_adopted_while_its_writer_lives_on_is_kept_apart_or_refused(clean) -> None:
+    live = [{"master": torch.zeros(40)}]
+    path = handoff.open_slots(sl.spec_of(sl.entries(live), 10))
+    ctx = mp.get_context("fork")
+    wrote = ctx.Event()
+    child = ctx.Process(target=_write_forever, args=(path, handoff._SPARE_SLOTS.spec, wrote), daemon=True)
+    child.start()
+    try:
+        assert wrote.wait(30)
+        slots = handoff._SPARE_SLOTS
+        desc, tensors = slots.read()
+        kept = sl.settled(slots, desc, tensors, wait_s=0.2)
+        if kept is not None:  # a private copy of that step: the writer cannot change it
+            assert kept[0]["master"].data_ptr() != tensors[0]["master"].data_ptr()
+            assert torch.equal(kept[0]["master"], torch.full((40,), float(desc["step"])))
+    finally:
+        child.kill()
+        child.join(10)
+    desc, tensors = slots.read()  # its writer is gone now: kept as it is, no copy
+    assert sl.settled(slots, desc, tensors, wait_s=0.2) is tensors

@@ -126,6 +126,9 @@ def adopt_slots(keeper: Keeper = KEEPER) -> int:
     desc, tensors = got
     if keeper.run == desc["run"] and desc["step"] <= max(keeper.held, default=-1):
         return -1
+    tensors = sl.settled(slots, desc, tensors)
+    if tensors is None:
+        return -1
     keeper.keep_copy(sl.as_snapshot(desc, tensors))
     keeper.saw_disk(desc["run"], desc["disk_step"])
     return desc["step"]

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 import uuid
 from typing import Dict, List, Optional, Tuple
 
@@ -180,7 +181,7 @@ class SlotWriter:
         """Slot `i` now holds `snap`'s tensors (the caller has waited for the copies): write its
         description and mark it whole. False when the small state outgrew its room."""
         data = pack({"step": snap.step, "rank": snap.rank, "world": snap.world, "small": snap.small,
-                     "run": snap.run, "disk_step": disk_step})
+                     "run": snap.run, "disk_step": disk_step, "pid": os.getpid()})
         room = self.slots.small(i)
         if len(data) > room.numel():
             log.warning("replica slots: the small state (%d bytes) outgrew its room (%d)", len(data), room.numel())
@@ -247,6 +248,33 @@ def _sweep(directory: str) -> None:
                 pass
         except (ValueError, PermissionError):
             continue
+
+
+def settled(slots: Slots, desc: dict, tensors: List[Tensors], wait_s: float = 10.0) -> Optional[List[Tensors]]:
+    """`tensors` (the newest whole copy), safe to keep: as they are once their writer's process
+    has exited (the driver killed it; it is usually gone already), else a private copy taken
+    while the writer could not have reached this slot again; None if it did."""
+    deadline = time.monotonic() + wait_s
+    while _alive(desc.get("pid")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if not _alive(desc.get("pid")):
+        return tensors
+    log.warning("replica slots: their writer (pid %s) is still alive; taking a private copy", desc.get("pid"))
+    i = slots.newest()
+    private = [{k: t.clone() for k, t in ts.items()} for ts in tensors]
+    return private if slots.newest() == i and i is not None and i[1] == desc["step"] else None
+
+
+def _alive(pid: Optional[int]) -> bool:
+    if pid is None or pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def as_snapshot(desc: dict, tensors: List[Tensors]) -> Snapshot:
