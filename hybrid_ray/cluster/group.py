@@ -92,6 +92,9 @@ class WorkerGroup:
         keep those placed and answering within timeout_s, a replica only whole."""
         size = self.scaling.replica_size
         spares = self._take_spares(count, timeout_s) if size == 1 else []
+        if self.members:  # a lone worker lives on: its copy in the spares' memory is not needed
+            for m in spares:  # (actor calls run in order: before the spare's start)
+                m.handle.drop_slots.remote()
         self.members.extend(spares)
         count -= len(spares)
         fresh: List[Member] = []

@@ -185,6 +185,10 @@ class Worker:
             return None
         return handoff.open_slots(spec)
 
+    def drop_slots(self) -> None:
+        """This spare joins a group its lone worker is part of: it keeps no copy of it."""
+        handoff.close_slots()
+
     def holds_slots(self) -> bool:
         """Whether this spare's lone worker copies into memory it shares (else it pushes)."""
         return handoff.holds_slots()

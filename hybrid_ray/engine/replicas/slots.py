@@ -250,7 +250,7 @@ def _sweep(directory: str) -> None:
             continue
 
 
-def settled(slots: Slots, desc: dict, tensors: List[Tensors], wait_s: float = 10.0) -> Optional[List[Tensors]]:
+def settled(slots: Slots, desc: dict, tensors: List[Tensors], wait_s: float = 3.0) -> Optional[List[Tensors]]:
     """`tensors` (the newest whole copy), safe to keep: as they are once their writer's process
     has exited (the driver killed it; it is usually gone already), else a private copy taken
     while the writer could not have reached this slot again; None if it did."""
