@@ -22,6 +22,8 @@ import os
 import socket
 from typing import Any, Dict, List, Optional
 
+import psutil
+
 from . import ops
 
 log = logging.getLogger("hybrid_ray.tracking")
@@ -194,19 +196,9 @@ def live_writer(spool_dir: str) -> Optional[str]:
         log.warning("%s: last written by pid %d on %s, which cannot be checked from here; taking "
                     "it over", spool_dir, pid, host)
         return None
-    if pid == os.getpid() or not _alive(pid):
+    if pid == os.getpid() or not psutil.pid_exists(pid):
         return None
     return f"pid {pid} on {host}"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def take_lock(spool_dir: str) -> None:

@@ -22,6 +22,7 @@ import time
 import uuid
 from typing import Dict, List, Optional, Tuple
 
+import psutil
 import torch
 
 from .snapshot import Snapshot, pack, unpack
@@ -240,14 +241,13 @@ def _sweep(directory: str) -> None:
     for name in names:
         try:
             pid = int(name[len(_PREFIX):].split("-")[0])
-            os.kill(pid, 0)
-        except ProcessLookupError:
+        except ValueError:
+            continue
+        if not psutil.pid_exists(pid):
             try:
                 os.unlink(os.path.join(directory, name))
             except OSError:
                 pass
-        except (ValueError, PermissionError):
-            continue
 
 
 def settled(slots: Slots, desc: dict, tensors: List[Tensors], wait_s: float = 3.0) -> Optional[List[Tensors]]:
@@ -266,15 +266,15 @@ def settled(slots: Slots, desc: dict, tensors: List[Tensors], wait_s: float = 3.
 
 
 def _alive(pid: Optional[int]) -> bool:
+    """Whether the writer `pid` still runs (a zombie, killed and not yet reaped, does not)."""
     if pid is None or pid == os.getpid():
         return False
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
         return False
-    except PermissionError:
+    except psutil.AccessDenied:
         return True
-    return True
 
 
 def as_snapshot(desc: dict, tensors: List[Tensors]) -> Snapshot:
