@@ -25,6 +25,7 @@ from typing import Dict, List, Optional, Tuple
 import psutil
 import torch
 
+from ..zero import pinned
 from .snapshot import Snapshot, pack, unpack
 
 log = logging.getLogger("hybrid_ray")
@@ -64,8 +65,8 @@ def slot_bytes(spec: dict) -> int:
 class Slots:
     """The two slots over one shared file: `create` (the spare) or `attach` (the worker)."""
 
-    def __init__(self, path: str, spec: dict, buf: torch.Tensor, owner: bool) -> None:
-        self.path, self.spec, self.buf, self.owner = path, spec, buf, owner
+    def __init__(self, path: str, spec: dict, buf: torch.Tensor) -> None:
+        self.path, self.spec, self.buf = path, spec, buf
         self.size = slot_bytes(spec)
 
     @classmethod
@@ -83,7 +84,7 @@ class Slots:
             os.unlink(path)
             raise SlotError(f"no room for {total / 1e9:.2f} GB of replica slots in {directory}: {e}") from e
         os.close(fd)
-        slots = cls(path, spec, torch.from_file(path, shared=True, size=total, dtype=torch.uint8), True)
+        slots = cls(path, spec, torch.from_file(path, shared=True, size=total, dtype=torch.uint8))
         for i in (0, 1):
             slots.header(i)[0] = -1
         return slots
@@ -94,7 +95,7 @@ class Slots:
         try:
             if os.path.getsize(path) != total:
                 raise SlotError(f"replica slots {path}: {os.path.getsize(path)} bytes, expected {total}")
-            return cls(path, spec, torch.from_file(path, shared=True, size=total, dtype=torch.uint8), False)
+            return cls(path, spec, torch.from_file(path, shared=True, size=total, dtype=torch.uint8))
         except OSError as e:  # another node's path, or the spare already gone
             raise SlotError(f"cannot map replica slots {path}: {e}") from e
 
@@ -207,29 +208,18 @@ class SlotWriter:
                 log.warning("replica slots: a copy into them is still in flight; left registered")
                 return
         if self.pinned:
-            _unregister(self.slots.buf)
+            pinned.unregister(self.slots.buf.data_ptr())
             self.pinned = False
-
-    def newest_step(self) -> int:
-        got = self.slots.newest()
-        return got[1] if got is not None else -1
-
 
 def _register(buf: torch.Tensor) -> bool:
     """Page-lock the mapping for asynchronous device-to-host copies into it."""
     if not torch.cuda.is_available():
         return False
-    err = int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel(), 1))
+    err = pinned.register(buf)
     if err != 0:
         log.warning("replica slots: cudaHostRegister of %.1f GB failed (cudaError %d): copies into "
                     "them stay synchronous", buf.numel() / 1e9, err)
     return err == 0
-
-
-def _unregister(buf: torch.Tensor) -> None:
-    err = int(torch.cuda.cudart().cudaHostUnregister(buf.data_ptr()))
-    if err != 0:
-        log.warning("replica slots: cudaHostUnregister failed (cudaError %d)", err)
 
 
 def _sweep(directory: str) -> None:

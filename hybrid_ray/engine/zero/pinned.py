@@ -23,6 +23,18 @@ log = logging.getLogger("hybrid_ray")
 _PORTABLE = 1  # cudaHostRegisterPortable: page-locked for every CUDA context of the process
 
 
+def register(t: torch.Tensor) -> int:
+    """Page-lock the host memory under `t` (plain or mapped); the cudaError (0: done)."""
+    return int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), _PORTABLE))
+
+
+def unregister(ptr: int) -> None:
+    """Undo `register` (after the copies that read or write the memory)."""
+    err = int(torch.cuda.cudart().cudaHostUnregister(ptr))
+    if err != 0:
+        log.warning("cudaHostUnregister failed (cudaError %d)", err)
+
+
 class PinnedRegistry:
     """Hands out registered (page-locked) host tensors and unregisters them on release."""
 
@@ -35,7 +47,7 @@ class PinnedRegistry:
         if numel == 0 or self.failed:
             return out
         nbytes = out.numel() * out.element_size()
-        err = int(torch.cuda.cudart().cudaHostRegister(out.data_ptr(), nbytes, _PORTABLE))
+        err = register(out)
         if err != 0:
             self.failed = True
             log.warning("offload: registering %.1f GB of host memory as page-locked failed (cudaError "
@@ -53,9 +65,7 @@ class PinnedRegistry:
         """Unregister every buffer (after the copies that read them: the caller synchronizes)."""
         held, self._held = self._held, {}
         for ptr in held:
-            err = int(torch.cuda.cudart().cudaHostUnregister(ptr))
-            if err != 0:
-                log.warning("offload: cudaHostUnregister failed (cudaError %d)", err)
+            unregister(ptr)
 
     def __del__(self) -> None:
         try:
