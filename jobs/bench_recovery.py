@@ -286,15 +286,16 @@ def main() -> None:
                 runtime_env={"env_vars": {"PYTHONPATH": _python_path()}})
     work = args.keep or tempfile.mkdtemp(prefix="hybrid_ray_recovery_")
     os.makedirs(work, exist_ok=True)
-    rows = {name: run() for name, run in _ways(work, args, lose).items()}
-    ray.shutdown()
-    if args.out:
-        with open(args.out, "a") as f:
-            for name, r in rows.items():
+    rows = {}
+    for name, run in _ways(work, args, lose).items():
+        rows[name] = r = run()
+        if args.out:  # row by row: a machine taken back mid-invocation keeps the ways that finished
+            with open(args.out, "a") as f:
                 f.write(json.dumps({"impl": name, "workers": args.workers, "lost_ranks": list(lose),
                                     "model": MODEL, "device": args.device, "steps": STEPS,
                                     "fault_step": FAULT_STEP, "checkpoint_every": EVERY,
                                     "copy_interval": COPY_INTERVAL, **r}) + "\n")
+    ray.shutdown()
     print(f"\n{'':<30}{'detection s':>12}{'restart s':>11}{'recovery s':>12}{'steps lost':>12}{'total s':>9}"
           "  resumed from")
     for name, r in rows.items():

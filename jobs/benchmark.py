@@ -65,6 +65,9 @@ def parse() -> argparse.Namespace:
                    help="hybrid with --replicas 1: fault_tolerance.mode replay (the buddy steps its copy)")
     p.add_argument("--delayed-update", action="store_true",
                    help="hybrid with --offload: delayed parameter update (one-step-stale parameters)")
+    p.add_argument("--overlap-step", action="store_true",
+                   help="hybrid with --offload: offload_optimizer.overlap_step (the CPU step bucket by bucket "
+                        "during backward; clipped by the previous step's norm)")
     p.add_argument("--norm-activations", choices=["fp32", "half"], default=None,
                    help="hybrid: precision.norm_activations (default: the engine's)")
     p.add_argument("--nproc", type=int, default=None)
@@ -127,6 +130,7 @@ def _hybrid_step(a: argparse.Namespace, model: nn.Module) -> Callable:
     if a.offload:
         cfg["zero_optimization"]["offload_optimizer"] = {
             "device": "cpu", "pin_memory": True, "delayed_param_update": a.delayed_update,
+            "overlap_step": a.overlap_step, "clip_with_previous_norm": a.overlap_step,
             "ratio": a.offload_ratio if a.offload_ratio == "auto" else float(a.offload_ratio)}
     if a.dtype != "fp32":
         cfg[a.dtype] = {"enabled": True}
@@ -235,7 +239,8 @@ def measure(a: argparse.Namespace) -> None:
                peak_mem_gb=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
                loss=round(loss.item(), 3), norm_activations=a.norm_activations if sharded else None,
                replicas=a.replicas if a.impl == "hybrid" else 0, replay=bool(a.replay and a.replicas),
-               offload_ratio=a.offload_ratio if a.offload and a.impl == "hybrid" else None)
+               offload_ratio=a.offload_ratio if a.offload and a.impl == "hybrid" else None,
+               overlap_step=a.overlap_step and a.offload and a.impl == "hybrid")
     if rank == 0:
         print("RESULT " + json.dumps(res), flush=True)
     dist.destroy_process_group()
@@ -317,6 +322,7 @@ def _launch(a: argparse.Namespace, spec: dict, nproc: int, gpu: bool) -> Optiona
             *(["--offload"] if spec.get("offload") else []),
             *(["--offload-ratio", str(spec["offload_ratio"])] if "offload_ratio" in spec else []),
             *(["--delayed-update"] if spec.get("delayed") else []),
+            *(["--overlap-step"] if spec.get("overlap_step") else []),
             *(["--compile"] if spec.get("compile") else []),
             *(["--overlap-gather"] if spec.get("overlap_gather") else []),
             "--replicas", str(spec.get("replicas", 0)), *(["--replay"] if spec.get("replay") else []),
@@ -352,6 +358,7 @@ def print_table(results: List[dict], baseline: Optional[str] = None, settings: O
     for r in results:
         name = r["impl"] + (f" ZeRO-{r['stage']}" if r["stage"] is not None else "")
         name += (" +offload" if r.get("offload") else "") + (" DPU" if r.get("delayed_update") else "")
+        name += " overlap-step" if r.get("overlap_step") else ""
         name += f" ratio {r['offload_ratio']}" if r.get("offload_ratio") not in (None, "1.0") else ""
         name += " half-norm" if r.get("norm_activations") == "half" else ""
         name += " compiled" if r.get("compile") else ""

@@ -57,6 +57,14 @@ SUITES: Dict[str, List[dict]] = {
                                 dict(impl="hybrid", stage=2, offload=True, offload_ratio="auto", model="2.7b")],
     "offload-largest-gpu1": [dict(impl="hybrid", stage=2, offload=True, offload_ratio="auto", model="8.3b"),
                              dict(impl="hybrid", stage=2, offload=True, offload_ratio="auto", model="6.7b")],
+    # The CPU step bucket by bucket during backward (offload_optimizer.overlap_step, clipped by the
+    # previous step's norm), whole and partial offload, against the step after backward.
+    "offload-overlap-gpu1": [dict(impl="deepspeed", stage=2, offload=True, model="1.3b"),
+                             dict(impl="hybrid", stage=2, offload=True, model="1.3b"),
+                             dict(impl="hybrid", stage=2, offload=True, overlap_step=True, model="1.3b"),
+                             dict(impl="hybrid", stage=2, offload=True, offload_ratio=0.5, model="1.3b"),
+                             dict(impl="hybrid", stage=2, offload=True, offload_ratio=0.5, overlap_step=True,
+                                  model="1.3b")],
     # The two-GPU offload target: 1.3B, ZeRO-2 + offload, against DeepSpeed's own.
     "offload2": [dict(impl="deepspeed", stage=2, offload=True, model="1.3b"),
                  dict(impl="hybrid", stage=2, offload=True, model="1.3b"),
@@ -64,6 +72,7 @@ SUITES: Dict[str, List[dict]] = {
 }
 # The ratio column is against this implementation (default: plain torch or DDP, else the first).
 BASELINE = {"zero3-gpu2-1.3b": "fsdp2", "offload2": "deepspeed", "offload-ratio-gpu1": "deepspeed",
+            "offload-overlap-gpu1": "deepspeed",
             "offload-ratio-gpu1-2.7b": "deepspeed"}
 # ... and among several rows of that implementation, the one with these settings.
 BASELINE_SETTINGS = {"compile-gpu1": {"compile": True}, "compile-gpu1-1.3b": {"compile": True}}

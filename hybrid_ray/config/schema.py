@@ -168,10 +168,12 @@ class Config:
                                "parallelism yet", self.fault_tolerance.replicas,
                                "set it to 0 (a lost worker's replica resumes from the newest checkpoint)",
                                cls=NotSupportedError)
-        if self.zero_optimization.offload_optimizer.delayed_param_update:
-            raise config_error("fault_tolerance.replicas, zero_optimization.offload_optimizer."
-                               "delayed_param_update", "not supported together yet",
-                               Verbatim("both set"), "turn one of them off", cls=NotSupportedError)
+        off = self.zero_optimization.offload_optimizer
+        for key in ("delayed_param_update", "overlap_step"):  # both step the masters off the main thread
+            if getattr(off, key):
+                raise config_error(f"fault_tolerance.replicas, zero_optimization.offload_optimizer.{key}",
+                                   "not supported together yet", Verbatim("both set"),
+                                   "turn one of them off", cls=NotSupportedError)
 
     @property
     def base_dtype(self) -> str:

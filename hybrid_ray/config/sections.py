@@ -84,6 +84,13 @@ class OffloadConfig:
     """Initialise offloaded optimizer state in bulk (nvme)."""
     delayed_param_update: bool = False
     """Overlap the CPU optimizer step with the next forward (updates land one step late)."""
+    overlap_step: bool = False
+    """Step the host share bucket by bucket while backward runs, as each gradient bucket lands
+    (torch's Adam or AdamW; the update is the one without it). With gradient_clipping the step
+    still waits for the norm unless clip_with_previous_norm."""
+    clip_with_previous_norm: bool = False
+    """With overlap_step and gradient_clipping: clip by the previous step's global norm, so
+    that the step need not wait for this one's (an approximation; off: the exact clip)."""
     ratio: object = checked(1.0, convert=lambda raw, path, _: _offload_ratio(raw, path))
     """Partial offload (DeepSpeed's ZeRO-Offload++ Twin-Flow), at every stage: the fraction of
     the parameters whose fp32 masters, gradients and optimizer state live on the host and step
@@ -168,6 +175,10 @@ class ZeroConfig:
                                self.offload_optimizer.device,
                                "set zero_optimization.stage to 1 or 2, or offload_optimizer.device to 'none'")
         off = self.offload_optimizer
+        if off.overlap_step and off.delayed_param_update:
+            raise config_error(f"{path}.offload_optimizer.overlap_step", "the delayed update already runs "
+                               "the CPU step beside the next forward and backward", off.overlap_step,
+                               "set overlap_step or delayed_param_update to false", cls=NotSupportedError)
         if off.delayed_param_update and off.ratio != 1.0:
             raise config_error(f"{path}.offload_optimizer.ratio", "a partial offload cannot delay the "
                                "update (the device's share steps at the boundary)", off.ratio,

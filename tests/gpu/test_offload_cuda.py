@@ -155,6 +155,41 @@ def test_fp16_overflow_is_skipped_with_offload_on_cuda(delayed: bool) -> None:
     assert e.skipped_steps == 1 and loss.item() < first
 
 
+@pytest.mark.parametrize("precision, gas, ratio", [("bf16", 2, 1.0), ("fp32", 1, 1.0), ("bf16", 1, 0.5)])
+def test_overlap_step_is_the_same_update_on_cuda(precision: str, gas: int, ratio: float) -> None:
+    """offload_optimizer.overlap_step: the host buckets stepped in a thread during backward, as
+    their side-stream copies land, give the plain step's parameters and Adam state bitwise."""
+    topo = Topology(0, 1, CUDA0)
+    engines = []
+    for overlap in (False, True):
+        cfg = config(2, gas, precision=precision, clip=0.0)
+        cfg["zero_optimization"]["offload_optimizer"].update(overlap_step=overlap, ratio=ratio)
+        engines.append(train(cfg, 0, 1, CUDA0, topo))
+    plain, over = engines
+    assert over.zero.backward_step.overlapped == STEPS - 1
+    assert all(torch.equal(p, q) for p, q in zip(plain.module.parameters(), over.module.parameters()))
+    sp, so = plain.optimizer.state_dict()["state"], over.optimizer.state_dict()["state"]
+    assert all(torch.equal(sp[i][k], so[i][k]) for i in sp for k in sp[i])
+
+
+def test_overlap_step_rolls_back_an_overflow_on_cuda() -> None:
+    cfg = config(2, precision="fp16", clip=0.0)
+    cfg["zero_optimization"]["offload_optimizer"]["overlap_step"] = True
+    torch.manual_seed(0)
+    e = Engine(GPT(CFG), cfg, topology=Topology(0, 1, CUDA0))
+    for step in range(2):  # the first step creates the state; the second overlaps
+        e.backward(e(*batch(step, 0, 0, CUDA0)))
+        e.step()
+    masters = [m.detach().clone() for m in e.zero.masters]
+    first = e.module.wte.weight
+    first.register_hook(lambda g: g * float("inf"))  # the last gradient of backward
+    e.backward(e(*batch(2, 0, 0, CUDA0)))
+    e.step()
+    assert not e.was_step_applied() and e.zero.backward_step.rolled_back > 0
+    for m, before in zip(e.zero.masters, masters):
+        assert (m.detach() - before).norm() <= 1e-6 * before.norm()
+
+
 # ---- two GPUs, NCCL ---------------------------------------------------------------------
 def _worker(rank: int, world: int, out: str) -> None:
     device = torch.device("cuda", rank)

@@ -125,7 +125,7 @@ def test_cpu_optimizer_is_fused_and_hyperparameters_are_snapshotted() -> None:
 
 
 def test_large_cpu_gradient_norm_is_accurate() -> None:
-    from hybrid_ray.engine.zero.optimizer import _ROWS_FROM, _cpu_square_sum
+    from hybrid_ray.engine.zero.norms import ROWS_FROM as _ROWS_FROM, cpu_square_sum as _cpu_square_sum
     torch.manual_seed(0)
     g = torch.randn(_ROWS_FROM + 12345) * 1e-3 + 1e-4  # rows path plus a tail
     exact = (g.double() ** 2).sum()

@@ -74,6 +74,8 @@ class HostOffload:
         self._grad_sets: List[Dict[int, torch.Tensor]] = [{} for _ in range(2 if delayed else 1)]
         self._current = 0
         self.runner = BackgroundStep() if delayed else None
+        # overlap_step: the host share steps bucket by bucket during backward (backward_step.py)
+        self.overlap_step = self.clip_with_previous_norm = False
         self.pinned = PinnedRegistry() if self.pin else None  # persistent buffers, exact sizes
         self._staging: Dict[tuple, torch.Tensor] = {}  # upload staging, one per (key, dtype)
         if self.transfers:
@@ -84,7 +86,9 @@ class HostOffload:
         """An offload for `offload_optimizer.device == 'cpu'`, else None."""
         if cfg.device != "cpu":
             return None
-        return cls(device, cfg.pin_memory, cfg.delayed_param_update)
+        offload = cls(device, cfg.pin_memory, cfg.delayed_param_update)
+        offload.overlap_step, offload.clip_with_previous_norm = cfg.overlap_step, cfg.clip_with_previous_norm
+        return offload
 
     # ---- host tensors -----------------------------------------------------------------
     def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -173,13 +177,15 @@ class HostOffload:
         """
         if not self.transfers or (src.dtype == dtype and src.is_pinned()):
             return src
-        if key is None:
-            out = self.empty(src.numel(), dtype)
-        else:
-            out = self._staging.get((key, dtype))
-            if out is None or out.numel() != src.numel():
-                out = self._staging[(key, dtype)] = self.persistent(src.numel(), dtype)
+        out = self.empty(src.numel(), dtype) if key is None else self.staging(key, src.numel(), dtype)
         out.copy_(src.reshape(-1))
+        return out
+
+    def staging(self, key: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """The persistent upload staging buffer of master `key` in `dtype` (see `stage`)."""
+        out = self._staging.get((key, dtype))
+        if out is None or out.numel() != numel:
+            out = self._staging[(key, dtype)] = self.persistent(numel, dtype)
         return out
 
     def upload(self, dst: torch.Tensor, src: torch.Tensor) -> None:

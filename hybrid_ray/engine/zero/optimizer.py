@@ -26,8 +26,10 @@ import torch
 import torch.distributed as dist
 
 from .. import comm
+from .backward_step import BackwardStep
 from .flat import FlatSpace
 from .frozen import FrozenStep, OptimizerMomentum, check_freezable, step_frozen_variance
+from .norms import square_sum as _square_sum
 from .offload import frozen_hyperparameters
 from .overlap import ParamGatherOverlap
 from .reducer import GradReducer
@@ -78,6 +80,10 @@ class ZeroOptimizer:
         # (loss scale, gradient_clipping) of the backward in progress: the engine sets this; the
         # 1-bit momentum exchange clips each rank's own gradient before it sends.
         self.step_scalars: Callable[[], Tuple[float, float]] = lambda: (1.0, 0.0)
+        # offload_optimizer.overlap_step: the host share steps during the boundary backward.
+        self.backward_step: Optional[BackwardStep] = None
+        if self.offload is not None and self.offload.overlap_step:
+            self.backward_step = reducer.host_step = BackwardStep(self, self.offload.clip_with_previous_norm)
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """The torch optimizer over the masters (built by the engine from config or the client's)."""
@@ -118,14 +124,18 @@ class ZeroOptimizer:
             groups[space.group_index].append(master)
         return groups
 
-    def _sum_of_squares(self, grads: Optional[List[torch.Tensor]] = None) -> torch.Tensor:
-        """Squared norm of this rank's master gradients (still scaled), summed over ranks."""
+    def _sum_of_squares(self, grads: Optional[List[torch.Tensor]] = None,
+                        host_squares: Optional[float] = None) -> torch.Tensor:
+        """Squared norm of this rank's master gradients (still scaled), summed over ranks.
+        `host_squares`: the host spaces' part, already summed by the backward step."""
         per_space = [m.grad for m in self.masters] if grads is None else grads
         by_device: Dict[torch.device, List[torch.Tensor]] = {}
-        for g in per_space:
-            if g.numel() > 0:  # partial offload: host and device gradients, summed apart
-                by_device.setdefault(g.device, []).append(g)
+        for g, space in zip(per_space, self.spaces):
+            if g.numel() > 0 and not (host_squares is not None and space.offloaded):
+                by_device.setdefault(g.device, []).append(g)  # partial offload: summed apart
         parts = [_square_sum(gs).to(self.topo.device) for gs in by_device.values()]
+        if host_squares is not None:
+            parts.append(torch.tensor(host_squares, dtype=torch.float32, device=self.topo.device))
         local = torch.stack(parts).sum() if parts else \
             torch.zeros((), dtype=torch.float32, device=self.topo.device)
         if self.norm_excluded:  # clamped: rounding must not turn an all-tied norm negative (nan)
@@ -164,9 +174,28 @@ class ZeroOptimizer:
         """Global norm and overflow check (one host sync), clip, update, gather parameters."""
         self.flush()  # delayed update: the previous step's update reaches the parameters now
         try:
+            if self.backward_step is not None and self.backward_step.armed:
+                return self._finish_overlapped(self.reducer.master_grads(), loss_scale)
             return self._step(self.reducer.master_grads(), loss_scale, clip)
         finally:
             self.reducer.release_master_grads()
+
+    def _finish_overlapped(self, grads: List[torch.Tensor], loss_scale: float) -> StepOutcome:
+        """overlap_step: the host share has stepped during backward; agree on the norm, then
+        keep that (stepping the device share of a partial offload alike) or roll it back."""
+        bs = self.backward_step
+        squares = self._sum_of_squares(grads, host_squares=bs.settle())
+        grad_norm = math.sqrt(squares.item()) / self.grad_divisor(loss_scale)
+        if not math.isfinite(grad_norm):
+            bs.rollback()
+            return StepOutcome(applied=False, overflow=True, grad_norm=grad_norm)
+        kept = [(m, g) for m, g, s in zip(self.masters, grads, self.spaces) if not s.offloaded]
+        if kept:
+            step_masters([m for m, _ in kept], [g for _, g in kept], bs.coef, self.optimizer)
+        staged = bs.commit(grad_norm)
+        self._sources = [staged.get(i, m.detach()) for i, m in enumerate(self.masters)]
+        self.write_back()
+        return StepOutcome(applied=True, overflow=False, grad_norm=grad_norm)
 
     def prepare(self, loss_scale: float, clip: float) -> Tuple[StepOutcome, Optional[Update]]:
         """The step's decision (norm, overflow, clip coefficient) without the update: what
@@ -201,6 +230,8 @@ class ZeroOptimizer:
         frozen = self._frozen_variance()
         if clip > 0 and grad_norm > clip and not (frozen and frozen.momentum_given):
             coef *= clip / (grad_norm + 1e-6)
+        if self.backward_step is not None:  # clip_with_previous_norm's next coefficient
+            self.backward_step.last_norm = grad_norm
         return StepOutcome(applied=True, overflow=False, grad_norm=grad_norm), coef
 
     def _step(self, grads: List[torch.Tensor], loss_scale: float, clip: float) -> StepOutcome:
@@ -252,6 +283,9 @@ class ZeroOptimizer:
     def close(self) -> None:
         """Land any delayed update and stop the offload's thread."""
         self.flush()
+        if self.backward_step is not None:
+            self.backward_step.rollback()  # a backward whose step never came
+            self.backward_step.close()
         if self.offload is not None:
             self.offload.close()
 
@@ -347,44 +381,6 @@ def step_masters(masters: List[torch.Tensor], grads: List[torch.Tensor], coef: f
     finally:
         for master in masters:
             master.grad = None
-
-
-_ROW = 1 << 16
-_ROWS_FROM = 1 << 20  # smaller tensors take the exact fp64 path: cheap at that size
-
-
-def _square_sum(grads: List[torch.Tensor]) -> torch.Tensor:
-    """Sum of squares of gradients on one device, as an fp32 scalar there."""
-    if grads[0].device.type == "cpu" and max(g.numel() for g in grads) >= _ROWS_FROM:
-        return _cpu_square_sum(grads).float()
-    # CPU reductions over one multi-million-element tensor accumulate naively in fp32
-    # (error ~1e-4 at 10M elements); fp64 accumulation makes the clip coefficient exact.
-    # CUDA reduces in a tree and needs no help.
-    acc = torch.float64 if grads[0].device.type == "cpu" else None
-    return torch.stack(torch._foreach_norm(grads, 2.0, dtype=acc)).float().square().sum()
-
-
-def _cpu_square_sum(grads: List[torch.Tensor]) -> torch.Tensor:
-    """Sum of squares of large CPU tensors (offloaded gradients, CPU engines), accurate and multi-threaded.
-
-    torch's CPU norm of one long tensor either accumulates naively in fp32 (1e-2 relative
-    error at 64M elements) or, asked for fp64, runs on one core (1.7 s for 1.3B elements on a
-    16-core host, 8x the fused AdamW step). Rows of 64K elements are reduced in fp32 in
-    parallel (each accurate to ~1e-7) and their squares summed in fp64: 3e-7 relative error
-    at 64M elements, at the speed of the fp32 norm.
-    """
-    total = torch.zeros((), dtype=torch.float64)
-    tails = []
-    for g in grads:
-        n = g.numel() // _ROW * _ROW
-        if n:
-            rows = torch.linalg.vector_norm(g[:n].view(-1, _ROW), dim=1)
-            total += rows.double().square().sum()
-        if n < g.numel():
-            tails.append(g[n:])
-    if tails:
-        total += torch.stack(torch._foreach_norm(tails, 2.0, dtype=torch.float64)).square().sum()
-    return total
 
 
 def _param_bytes(space: FlatSpace) -> int:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable, Dict, List, Optional, Set, Tuple
 
 import torch
@@ -42,6 +43,7 @@ from ..compression import Reduction
 from ..compression.base import BucketKey, host_copies
 from ..compression.stats import CommStats, StepTimer
 from ..topology import Topology
+from .backward_step import land_in_place
 from .flat import Bucket, FlatSpace
 from .offload import HostOffload
 
@@ -173,6 +175,10 @@ class GradReducer:
         self.grads = [SpaceGrads(s, not self.partitioned_grads, i, offload if s.offloaded else None)
                       for i, s in enumerate(spaces)]
         self._armed = False
+        # offload_optimizer.overlap_step: the BackwardStep that takes the host buckets of a
+        # boundary backward (ZeroOptimizer sets it); _host_armed while one does.
+        self.host_step = None
+        self._host_armed = False
         self._inflight: List[Callable[[], None]] = []
         self._hooks = []
         if self.overlap:
@@ -219,6 +225,7 @@ class GradReducer:
         self._armed = self.streams and (boundary or (self.partitioned_grads and not whole))
         for g in self.grads:
             g.pending = {b.index: len(b.params) for b in g.space.buckets}
+        self._host_armed = self._armed and boundary and self.host_step is not None and self.host_step.arm()
 
     def hold(self) -> None:
         """Disarm the hooks for backwards that only accumulate: a pipeline schedule runs every
@@ -236,7 +243,7 @@ class GradReducer:
                         g.pending[b.index] = 0
                         self._launch(g, b)
         self.drain()
-        self._armed = False
+        self._armed = self._host_armed = False
 
     def drain(self) -> None:
         """Finish every collective still in flight (a backward cut short by an error leaves
@@ -314,7 +321,11 @@ class GradReducer:
             work = dist.all_reduce(data, group=group, async_op=True)
             lo = self.topo.rank * out.numel()
             result = data[lo:lo + out.numel()]
-        if result.device != out.device:  # offloaded to the host: copy on the side stream now
+        if g.offload is not None and self._host_armed:  # the host step takes the bucket once landed
+            land = self.offload.land(work, result, out, accumulate, data) if result.device != out.device \
+                else partial(land_in_place, work, result, out, accumulate)
+            self._inflight.append(self.host_step.submit(g.index, g.shard_offset[b.index], out, land))
+        elif result.device != out.device:  # offloaded to the host: copy on the side stream now
             land = self.offload.land(work, result, out, accumulate, data)
             self._inflight.append(lambda: self._host_wait(land))
         else:
