@@ -23,8 +23,8 @@ import torch
 
 from hybrid_ray.engine import Engine
 from tests.distributed import spawn
-from tests.distributed.test_offload import (CFG, LR, MICRO, WD, batch, config, first_element_of_rank0_shard,
-                                           max_rel_err, new_engine, params)
+from tests.distributed.test_offload import (CFG, K, LR, MICRO, OVERFLOW_STEPS, WD, batch, config, max_rel_err,
+                                           new_engine, overflow_run, params)
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
@@ -46,7 +46,6 @@ SAME: Dict[str, Tuple[int, int, float, dict, str]] = {
 # parameters in module order, whose buckets are the last of backward.
 AFTER_BACKWARD = {"s2_allreduce_after_backward", "s2_partial"}
 PREVIOUS = (2, 2, 0.05)  # stage, accumulation, clipping of the clip_with_previous_norm run
-OVERFLOW_STEPS, K = 5, 2
 
 
 def engine_config(stage: int, gas: int, clip: float, extra: dict, opt: str, overlap: bool,
@@ -124,24 +123,8 @@ def run_overflow(rank: int, world: int, opt: str, out: Path) -> None:
     result = {}
     for overlap in (False, True):
         engine = new_engine(engine_config(2, 1, 0.0, {}, opt, overlap, "fp16"))
-        armed = {"on": False}
-
-        def poison(grad: torch.Tensor) -> torch.Tensor:
-            if not armed["on"]:
-                return grad
-            grad = grad.clone()
-            grad.view(-1)[0] = float("inf")
-            return grad
-        if rank == 1:
-            first_element_of_rank0_shard(engine).register_hook(poison)
-        records, snaps = [], []
-        for step in range(OVERFLOW_STEPS):
-            armed["on"] = step == K
-            engine.backward(engine(*batch(step, 0, rank, world)))
-            armed["on"] = False
-            engine.step()
-            records.append({"applied": engine.was_step_applied(), "scale": engine.loss_scale})
-            snaps.append(({i: m.detach().clone() for i, m in enumerate(engine.zero.masters)}, opt_state(engine)))
+        records, snaps = overflow_run(engine, rank, world, lambda e: (
+            {i: m.detach().clone() for i, m in enumerate(e.zero.masters)}, opt_state(e)))
         bs = engine.zero.backward_step
         result[overlap] = (records, snaps, opt_state(engine), (bs.overlapped, bs.rolled_back) if bs else (0, 0))
         engine.close()

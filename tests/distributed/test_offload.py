@@ -140,9 +140,9 @@ def first_element_of_rank0_shard(engine: Engine) -> nn.Parameter:
     return bucket.params[0]
 
 
-def run_overflow(rank: int, world: int, name: str, out: Path) -> None:
-    """Rank 1 alone puts an inf into rank 0's shard of the gradient at step K."""
-    engine = new_engine(config(OVERFLOW_STAGE[name], 1, 1.0, OVERFLOW[name], {}, "fp16"))
+def poisoned_from_rank1(engine: Engine, rank: int) -> Dict[str, bool]:
+    """While the returned flag's "on" is set, rank 1 alone puts an inf into the gradient element
+    that rank 0's shard holds: only rank 0 sees it after the reduction."""
     armed = {"on": False}
 
     def poison(grad: torch.Tensor) -> torch.Tensor:
@@ -153,6 +153,13 @@ def run_overflow(rank: int, world: int, name: str, out: Path) -> None:
         return grad
     if rank == 1:
         first_element_of_rank0_shard(engine).register_hook(poison)
+    return armed
+
+
+def overflow_run(engine: Engine, rank: int, world: int, snapshot=params) -> Tuple[list, list]:
+    """OVERFLOW_STEPS steps in which rank 1 alone puts an inf into rank 0's shard of the
+    gradient at step K: each step's record and `snapshot(engine)` after it."""
+    armed = poisoned_from_rank1(engine, rank)
     records, snaps = [], []
     for step in range(OVERFLOW_STEPS):
         armed["on"] = step == K
@@ -161,7 +168,13 @@ def run_overflow(rank: int, world: int, name: str, out: Path) -> None:
         engine.step()
         records.append({"applied": engine.was_step_applied(), "scale": engine.loss_scale,
                         "skipped": engine.skipped_steps})
-        snaps.append(params(engine))
+        snaps.append(snapshot(engine))
+    return records, snaps
+
+
+def run_overflow(rank: int, world: int, name: str, out: Path) -> None:
+    engine = new_engine(config(OVERFLOW_STAGE[name], 1, 1.0, OVERFLOW[name], {}, "fp16"))
+    records, snaps = overflow_run(engine, rank, world)
     engine.finish_delayed_update()
     snaps.append(params(engine))
     torch.save(snaps, out / f"{name}-r{rank}.pt")

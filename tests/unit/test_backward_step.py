@@ -12,9 +12,8 @@ import torch
 from hybrid_ray import NotSupportedError
 from hybrid_ray.engine import Engine
 from hybrid_ray.engine.zero.backward_step import BackwardStep, _Space
-from hybrid_ray.models import GPT
-from tests.distributed.test_offload import CFG, batch, config, params
-from tests.unit.test_offload import ONE, error_of
+from tests.distributed.test_offload import config, params
+from tests.unit.test_offload import error_of, train as train_offload
 
 STEPS = 5
 
@@ -26,13 +25,7 @@ def overlapped(cfg: dict, previous: bool = False) -> dict:
 
 
 def train(cfg: dict, gas: int = 1) -> Engine:
-    torch.manual_seed(0)
-    engine = Engine(GPT(CFG), cfg, topology=ONE)
-    for step in range(STEPS):
-        for k in range(gas):
-            engine.backward(engine(*batch(step, k, 0, 1)))
-            engine.step()
-    return engine
+    return train_offload(cfg, gas, STEPS)
 
 
 def same(a: Engine, b: Engine) -> bool:

@@ -48,10 +48,10 @@ def test_nvme_and_parameter_offload_are_not_supported() -> None:
 
 
 # ---- training ---------------------------------------------------------------------------
-def train(cfg: dict, gas: int) -> Engine:
+def train(cfg: dict, gas: int, steps: int = STEPS) -> Engine:
     torch.manual_seed(0)
     engine = Engine(GPT(CFG), cfg, topology=ONE)
-    for step in range(STEPS):
+    for step in range(steps):
         for k in range(gas):
             engine.backward(engine(*batch(step, k, 0, 1)))
             engine.step()
