@@ -6,7 +6,10 @@ With it, each host gradient bucket is stepped in a background thread as soon as 
 landed: its sum of squares is taken (for the global norm and the overflow check), it is scaled
 by the step's coefficient, the optimizer's own kernel (torch's Adam or AdamW, fused on the CPU)
 updates the bucket's slices of the master and of the two moments, and the slice is cast for
-the upload. At the boundary only the buckets of the last layers are left to step. The kernel is
+the upload; on a GPU (pinned memory, stages 1-2) the slice is copied into the device's
+parameters right away on a side stream: that bucket's layers are done with backward (a bucket
+lands once all its gradients are final), and the next forward waits for the stream. At the
+boundary only the buckets of the first layers, the last of backward, are left. The kernel is
 elementwise and every bucket gets the coefficient the plain step would use, so the update is
 the one without overlap (tests compare bitwise).
 
@@ -29,7 +32,7 @@ import logging
 import math
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 import torch.distributed as dist
@@ -71,6 +74,10 @@ class _Space:
     hyper: Dict[str, Any]  # a snapshot of the master's param group
     decoupled: bool  # AdamW's weight decay (else Adam's L2 term)
     staged: Optional[torch.Tensor]  # the upload's source, cast here (None: the master itself)
+    # Where each bucket (by its offset in the shard) goes in the device's flat parameters, when
+    # it is uploaded as soon as it has stepped (pinned, stages 1-2); None: write_back uploads.
+    device_slices: Optional[Dict[int, Tuple[int, int]]] = None
+    flat: Optional[torch.Tensor] = None
 
 
 @dataclass
@@ -98,6 +105,9 @@ class BackwardStep:
         self._poisoned = False
         self._uploads_waited = False
         self._said: set = set()
+        offload = zero.offload
+        self._stream = torch.cuda.Stream(offload.device) if offload.transfers and offload.pin else None
+        self._uploaded: Set[Tuple[int, int]] = set()  # (space, shard offset) already on the device
 
     @property
     def armed(self) -> bool:
@@ -134,26 +144,35 @@ class BackwardStep:
                                    f"{s.master.numel()} gradient elements in its boundary backward")
         return sum(b.squares for b in done)
 
-    def commit(self, grad_norm: float) -> Dict[int, torch.Tensor]:
+    def commit(self, grad_norm: float) -> Tuple[Dict[int, torch.Tensor], Set[Tuple[int, int]]]:
         """The step holds: count it in the optimizer's state. Returns, by space, the source its
-        upload copies from where it was cast here."""
+        upload copies from where it was cast here, and the (space, shard offset) of the buckets
+        already uploaded (the device's stream now waits for those copies)."""
         for s in self._spaces.values():
             s.step.add_(1)  # as torch's kernel counts its own state steps
         staged = {i: s.staged for i, s in self._spaces.items() if s.staged is not None}
+        uploaded, self._uploaded = self._uploaded, set()
+        if self._stream is not None:
+            torch.cuda.current_stream(self._stream.device).wait_stream(self._stream)
         self.last_norm = grad_norm
         self.overlapped += 1
         self._disarm()
-        return staged
+        return staged, uploaded
 
-    def rollback(self) -> None:
-        """The step is skipped: undo every bucket already stepped, last first."""
+    def rollback(self) -> bool:
+        """The step is skipped: undo every bucket already stepped, last first. True when some
+        had been uploaded: the device's parameters must be written back."""
         if not self.armed:
-            return
+            return False
+        uploaded, self._uploaded = bool(self._uploaded), set()
+        if self._stream is not None:
+            self._stream.synchronize()  # no upload may still read what the inverse rewrites
         for b in reversed([j.result() for j in self._jobs]):
             if b.stepped:
                 self._undo(self._spaces[b.space], b.off, b.grad)
                 self.rolled_back += 1
         self._disarm()
+        return uploaded
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -210,6 +229,9 @@ class BackwardStep:
                 staged = offload.staging(i, master.numel(), space.dtype)
             out[i] = _Space(master.detach(), state["exp_avg"], state["exp_avg_sq"], state["step"],
                             {k: v for k, v in group.items() if k != "params"}, decoupled, staged)
+            if self._stream is not None and space.local_shard is None:  # stage 3: write_back
+                out[i].device_slices = {off: (lo, hi) for _, lo, hi, off in space.shard_slices()}
+                out[i].flat = space.flat
         return out
 
     # ---- in the thread -------------------------------------------------------------------
@@ -222,6 +244,7 @@ class BackwardStep:
         ok = math.isfinite(squares) and not self._poisoned
         if ok:
             self._step(self._spaces[index], off, grad)
+            self._upload(index, off, grad.numel())
         else:
             self._poisoned = True
         return _Bucket(index, off, grad, squares, ok)
@@ -238,6 +261,19 @@ class BackwardStep:
                                  weight_decay=h["weight_decay"], eps=h["eps"], maximize=False)
             if s.staged is not None:
                 s.staged[part].copy_(s.master[part])
+
+    def _upload(self, index: int, off: int, n: int) -> None:
+        """The stepped bucket into the device's parameters now, on a side stream: its layers'
+        backward is over (a bucket lands once all its gradients are final), so nothing reads
+        these parameters again before the next forward, which waits for the stream."""
+        s = self._spaces[index]
+        if s.device_slices is None:
+            return
+        lo, hi = s.device_slices[off]
+        src = (s.staged if s.staged is not None else s.master)[off:off + n]
+        with torch.no_grad(), torch.cuda.stream(self._stream):
+            s.flat[lo:hi].copy_(src, non_blocking=True)
+        self._uploaded.add((index, off))
 
     @staticmethod
     def _undo(s: _Space, off: int, grad: torch.Tensor) -> None:

@@ -187,14 +187,15 @@ class ZeroOptimizer:
         squares = self._sum_of_squares(grads, host_squares=bs.settle())
         grad_norm = math.sqrt(squares.item()) / self.grad_divisor(loss_scale)
         if not math.isfinite(grad_norm):
-            bs.rollback()
+            if bs.rollback():  # stepped buckets had reached the device: the old values go back
+                self.write_back()
             return StepOutcome(applied=False, overflow=True, grad_norm=grad_norm)
         kept = [(m, g) for m, g, s in zip(self.masters, grads, self.spaces) if not s.offloaded]
         if kept:
             step_masters([m for m, _ in kept], [g for _, g in kept], bs.coef, self.optimizer)
-        staged = bs.commit(grad_norm)
+        staged, uploaded = bs.commit(grad_norm)
         self._sources = [staged.get(i, m.detach()) for i, m in enumerate(self.masters)]
-        self.write_back()
+        self.write_back(uploaded)
         return StepOutcome(applied=True, overflow=False, grad_norm=grad_norm)
 
     def prepare(self, loss_scale: float, clip: float) -> Tuple[StepOutcome, Optional[Update]]:
@@ -319,11 +320,12 @@ class ZeroOptimizer:
         return out
 
     @torch.no_grad()
-    def write_back(self) -> None:
+    def write_back(self, uploaded: Optional[set] = None) -> None:
         """Copy masters into the rank's slices of the flat params, then all-gather each bucket
         (with overlap_param_gather: in forward order, left in flight, see overlap.py). Each
         bucket's gather is issued right after its copy, so an offloaded upload of the next
-        bucket overlaps the gather of this one."""
+        bucket overlaps the gather of this one. `uploaded`: the (space, shard offset) slices the
+        overlapped host step has copied already (backward_step.py)."""
         overlap = self.gather_overlap
         if overlap is not None:
             overlap.settle()  # the last step's gathers still write into the buffers
@@ -341,7 +343,8 @@ class ZeroOptimizer:
             if space.local_shard is not None:  # stage 3: only the shard persists
                 self.copy_into(space.local_shard[off:off + hi - lo], source[off:off + hi - lo])
                 continue
-            self.copy_into(space.flat[lo:hi], source[off:off + hi - lo])
+            if uploaded is None or (key[0], off) not in uploaded:  # (overlap_step uploads its own)
+                self.copy_into(space.flat[lo:hi], source[off:off + hi - lo])
             if space.num_shards > 1:
                 whole = space.flat[bucket.start:bucket.start + bucket.numel]
                 works.append(comm.all_gather(whole, space.flat[lo:hi], group=self.topo.group,
