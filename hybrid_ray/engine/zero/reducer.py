@@ -174,11 +174,8 @@ class GradReducer:
         self.set_compression(reduction)
         self.grads = [SpaceGrads(s, not self.partitioned_grads, i, offload if s.offloaded else None)
                       for i, s in enumerate(spaces)]
-        self._armed = False
-        # offload_optimizer.overlap_step: the BackwardStep that takes the host buckets of a
-        # boundary backward (ZeroOptimizer sets it); _host_armed while one does.
-        self.host_step = None
-        self._host_armed = False
+        self._armed = self._host_armed = False
+        self.host_step = None  # overlap_step: a BackwardStep takes a boundary's host buckets
         self._inflight: List[Callable[[], None]] = []
         self._hooks = []
         if self.overlap:
