@@ -60,11 +60,11 @@ SUITES: Dict[str, List[dict]] = {
     # The CPU step bucket by bucket during backward (offload_optimizer.overlap_step, clipped by the
     # previous step's norm), whole and partial offload, against the step after backward.
     "offload-overlap-gpu1": [dict(impl="deepspeed", stage=2, offload=True, model="1.3b"),
-                             dict(impl="hybrid", stage=2, offload=True, model="1.3b"),
                              dict(impl="hybrid", stage=2, offload=True, overlap_step=True, model="1.3b"),
-                             dict(impl="hybrid", stage=2, offload=True, offload_ratio=0.5, model="1.3b"),
                              dict(impl="hybrid", stage=2, offload=True, offload_ratio=0.5, overlap_step=True,
-                                  model="1.3b")],
+                                  model="1.3b"),
+                             dict(impl="hybrid", stage=2, offload=True, model="1.3b"),
+                             dict(impl="hybrid", stage=2, offload=True, offload_ratio=0.5, model="1.3b")],
     # The two-GPU offload target: 1.3B, ZeRO-2 + offload, against DeepSpeed's own.
     "offload2": [dict(impl="deepspeed", stage=2, offload=True, model="1.3b"),
                  dict(impl="hybrid", stage=2, offload=True, model="1.3b"),
