@@ -16,9 +16,9 @@ the one without overlap (tests compare bitwise).
 That coefficient must be known before the global norm: the unscaling is (loss scale x ranks),
 clipping is not. With gradient_clipping the step runs after backward as without overlap (two
 phases: the norm, then the step), unless `clip_with_previous_norm`, which clips by the previous
-step's global norm instead: an approximation the user opts into. The first step after a build
-or a resume runs after backward as well: the optimizer's state is created by its first step,
-and with that option there is no previous norm yet.
+step's global norm instead: an approximation the user opts into. A new optimizer's first step
+runs after backward as well (it creates the optimizer's state), and with that option so does
+the first step after a build or a resume (no previous norm yet).
 
 A bucket whose gradient is not finite is not stepped, nor any bucket after it. When the agreed
 norm is not finite (on any rank), the buckets already stepped are rolled back by inverting the
