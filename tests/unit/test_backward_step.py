@@ -102,3 +102,30 @@ def test_the_inverse_update_restores_master_and_moments(decoupled: bool, wd: flo
         assert (got - want).norm() <= 1e-6 * want.norm(), (got - want).abs().max()
     assert torch.equal(master.detach()[:100], p[:100]) and torch.equal(master.detach()[9000:], p[9000:])
     assert int(state["step"]) == 7
+
+
+def test_a_backward_cut_short_is_undone_before_the_next_one() -> None:
+    """An error late in a boundary backward (after buckets stepped): the retried backward
+    first rolls those steps back, and the run ends as the plain engine's doing the same."""
+    from tests.distributed.test_offload import batch
+    ends = []
+    for cfg in (config(2, 1, 0.0, False, {}), overlapped(config(2, 1, 0.0, False, {}))):
+        engine = train_offload(cfg, 1, 2)  # the second step overlaps
+        fail = {"on": True}
+
+        def boom(grad: torch.Tensor) -> torch.Tensor:
+            if fail["on"]:
+                fail["on"] = False
+                raise RuntimeError("injected")
+            return grad
+        engine.module.wte.weight.register_hook(boom)  # the last gradient of backward
+        with pytest.raises(RuntimeError, match="injected"):
+            engine.backward(engine(*batch(2, 0, 0, 1)))
+        engine.zero_grad()
+        engine.backward(engine(*batch(2, 0, 0, 1)))
+        engine.step()
+        ends.append((params(engine), engine))
+    (plain, _), (over, engine) = ends
+    assert engine.zero.backward_step.rolled_back > 0 and engine.zero.backward_step.overlapped == 2
+    for n in plain:
+        assert (over[n] - plain[n]).norm() <= 1e-6 * plain[n].norm(), n

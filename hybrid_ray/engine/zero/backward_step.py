@@ -164,10 +164,11 @@ class BackwardStep:
         had been uploaded: the device's parameters must be written back."""
         if not self.armed:
             return False
+        done = [j.result() for j in self._jobs if j.exception() is None]  # one that raised: left as is
         uploaded, self._uploaded = bool(self._uploaded), set()
         if self._stream is not None:
             self._stream.synchronize()  # no upload may still read what the inverse rewrites
-        for b in reversed([j.result() for j in self._jobs]):
+        for b in reversed(done):
             if b.stepped:
                 self._undo(self._spaces[b.space], b.off, b.grad)
                 self.rolled_back += 1
