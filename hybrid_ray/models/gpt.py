@@ -38,6 +38,10 @@ GPT_SIZES: Dict[str, GPTConfig] = {
     "2.7b": GPTConfig(32, 32, 2560, 50304, 1024),
     "6.7b": GPTConfig(32, 32, 4096, 50304, 1024),
     "8.3b": GPTConfig(72, 32, 3072, 50304, 1024),
+    # Between and beyond those, to find the largest model each offload trains on one GPU.
+    "3.8b": GPTConfig(32, 32, 3072, 50304, 1024),
+    "5b": GPTConfig(24, 32, 4096, 50304, 1024),
+    "10b": GPTConfig(48, 32, 4096, 50304, 1024),
 }
 
 
