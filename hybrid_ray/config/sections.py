@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 from hybrid_ray.config.errors import NotSupportedError, Verbatim, config_error, join_path
-from hybrid_ray.config.loader import checked
+from hybrid_ray.config.hardware import native_bf16
+from hybrid_ray.config.loader import checked, load_value
 
 Dtype = Literal["fp32", "fp16", "bf16"]
 
@@ -62,8 +63,9 @@ class FP16Config:
 class BF16Config:
     """bf16 mixed precision: bf16 params/compute, fp32 master weights, no loss scaling."""
 
-    enabled: bool = False
-    """Train in bf16 (mutually exclusive with fp16.enabled)."""
+    enabled: Literal[True, False, "auto"] = checked(False, convert=lambda raw, path, _: _bf16_enabled(raw, path))
+    """Train in bf16 (mutually exclusive with fp16.enabled). "auto": where this machine computes
+    bf16 natively (a CUDA GPU with bf16, a CPU with AVX512-BF16 or AMX), else fp32."""
     immediate_grad_update: bool = False
     """DeepSpeed: add each micro-batch's bf16 gradients into fp32 right after its backward.
     No effect here: gradients reach fp32 at the engine's reduction (every micro-batch at ZeRO
@@ -97,6 +99,11 @@ class OffloadConfig:
     on the CPU; the rest stay and step on the device. 1.0 (DeepSpeed's default) offloads all;
     "auto" keeps on the device what fits in half of the device memory left free once the model
     is built (engine/zero/partial.py)."""
+
+
+def _bf16_enabled(raw: object, path: str) -> bool:
+    value = load_value(Literal[True, False, "auto"], raw, path)
+    return native_bf16() if value == "auto" else value
 
 
 def _offload_ratio(raw: object, path: str) -> object:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import logging
 import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, Mapping, Optional, Tuple
@@ -20,6 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..config.hardware import native_bf16
 from .forward_chain import unwrap_forward
 
 DTYPES: Dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -291,7 +293,17 @@ class PrecisionPolicy:
                 p.data = p.data.to(dtype)
         for module in result.module_dtype:
             _buffers_follow_params(module)
+        if device_type == "cpu" and torch.bfloat16 in result.module_dtype.values():
+            _say_if_bf16_is_emulated()
         return result
+
+
+@functools.lru_cache(maxsize=None)  # once per process
+def _say_if_bf16_is_emulated() -> None:
+    if not native_bf16("cpu"):
+        logging.getLogger("hybrid_ray").warning(
+            "bf16 on this CPU is emulated (no AVX512-BF16 or AMX): its matmuls run several times "
+            "slower than in fp32; bf16.enabled: \"auto\" trains in fp32 on such a CPU")
 
 
 def _buffers_follow_params(module: nn.Module) -> None:

@@ -136,7 +136,9 @@ def type_ok(hint: Any, value: Any, case_free: bool = False) -> bool:
         return _is_optional(hint)
     if get_origin(hint) is Literal:
         match = (lambda a, b: a.lower() == b.lower()) if case_free else (lambda a, b: a == b)
-        return isinstance(value, str) and any(match(value, c) for c in get_args(hint))
+        # exact types, as the loader: Literal[True, False, "auto"] takes no 1 nor "true"
+        return any(type(value) is type(c) and (match(value, c) if isinstance(c, str) else value == c)
+                   for c in get_args(hint))
     if hint is bool:
         return isinstance(value, bool)
     if hint is int:

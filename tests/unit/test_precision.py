@@ -9,6 +9,7 @@ input.
 from __future__ import annotations
 
 import copy
+import logging
 from typing import Dict, List
 
 import pytest
@@ -17,6 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import hybrid_ray
+import hybrid_ray.config
 from hybrid_ray.models import GPT, GPT_SIZES
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
@@ -329,3 +331,25 @@ def test_bf16_masters_follow_an_fp32_adamw_reference() -> None:
     # The masters hold what bf16 cannot: some updates left the bf16 weights where they were.
     lost = sum((masters[id(p)] != p.detach().float()).sum().item() for p in model.parameters())
     assert lost > 0
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_bf16_auto_trains_in_bf16_only_where_the_machine_computes_it_natively(monkeypatch, native) -> None:
+    import hybrid_ray.config.sections as sections
+    monkeypatch.setattr(sections, "native_bf16", lambda device_type="": native)
+    config = hybrid_ray.config.load_config({"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": "auto"}})
+    assert config.bf16.enabled is native and config.base_dtype == ("bf16" if native else "fp32")
+    with pytest.raises(hybrid_ray.config.ConfigError, match=r"bf16\.enabled: invalid value; got 'yes'; allowed: True, False, 'auto'"):
+        hybrid_ray.config.load_config({"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": "yes"}})
+
+
+def test_bf16_asked_for_on_a_cpu_that_emulates_it_says_so_once(monkeypatch, caplog) -> None:
+    import hybrid_ray.engine.precision as precision
+    monkeypatch.setattr(precision, "native_bf16", lambda device_type="": False)
+    precision._say_if_bf16_is_emulated.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="hybrid_ray"):
+        for _ in range(2):
+            hybrid_ray.initialize(GPT(GPT_SIZES["tiny"]), config=cfg("bf16"))
+    said = [r.getMessage() for r in caplog.records if "emulated" in r.getMessage()]
+    assert len(said) == 1 and 'bf16.enabled: "auto"' in said[0], said
+    precision._say_if_bf16_is_emulated.cache_clear()
