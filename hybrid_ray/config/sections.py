@@ -14,6 +14,7 @@ from hybrid_ray.config.hardware import native_bf16
 from hybrid_ray.config.loader import checked, load_value
 
 Dtype = Literal["fp32", "fp16", "bf16"]
+BF16Enabled = Literal[True, False, "auto"]
 
 
 def check_regex(pattern: str, path: str) -> None:
@@ -63,7 +64,7 @@ class FP16Config:
 class BF16Config:
     """bf16 mixed precision: bf16 params/compute, fp32 master weights, no loss scaling."""
 
-    enabled: Literal[True, False, "auto"] = checked(False, convert=lambda raw, path, _: _bf16_enabled(raw, path))
+    enabled: BF16Enabled = checked(False, convert=lambda raw, path, _: _bf16_enabled(raw, path))
     """Train in bf16 (mutually exclusive with fp16.enabled). "auto": where this machine computes
     bf16 natively (a CUDA GPU with bf16, a CPU with AVX512-BF16 or AMX), else fp32."""
     immediate_grad_update: bool = False
@@ -102,7 +103,7 @@ class OffloadConfig:
 
 
 def _bf16_enabled(raw: object, path: str) -> bool:
-    value = load_value(Literal[True, False, "auto"], raw, path)
+    value = load_value(BF16Enabled, raw, path)
     return native_bf16() if value == "auto" else value
 
 
