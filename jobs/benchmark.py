@@ -59,6 +59,8 @@ def parse() -> argparse.Namespace:
                    help="hybrid stages 1-2: zero_optimization.overlap_param_gather")
     p.add_argument("--compile", action="store_true",
                    help="torch/ddp/hybrid: torch.compile each transformer block (inductor)")
+    p.add_argument("--compile-head", action="store_true",
+                   help="with --compile: also compile the final norm, head and loss together")
     p.add_argument("--replicas", type=int, default=0,
                    help="hybrid: buddy replicas, a copy every this many steps (0: none)")
     p.add_argument("--replay", action="store_true",
@@ -212,6 +214,8 @@ def measure(a: argparse.Namespace) -> None:
     if a.compile:  # after the engine laid the parameters out: compilation is lazy anyway
         for block in model.blocks:
             block.compile()
+        if a.compile_head:  # an instance attribute: GPT.forward calls self.head_loss
+            model.head_loss = torch.compile(model.head_loss)
     g = torch.Generator(device=device).manual_seed(rank)
     x = torch.randint(0, cfg.vocab_size, (a.mbs, cfg.seq_len), device=device, generator=g)
     y = torch.randint(0, cfg.vocab_size, (a.mbs, cfg.seq_len), device=device, generator=g)
@@ -231,7 +235,7 @@ def measure(a: argparse.Namespace) -> None:
     flops_tok = 6 * n_params + 12 * cfg.n_layer * cfg.d_model * cfg.seq_len
     sharded = a.impl in ("hybrid", "hybrid-pipe", "deepspeed")  # fsdp2 reports no stage
     res = dict(impl=a.impl, stage=a.stage if sharded else None,
-               offload=a.offload and sharded, compile=a.compile,
+               offload=a.offload and sharded, compile=a.compile, compile_head=a.compile and a.compile_head,
                overlap_gather=a.overlap_gather and a.impl == "hybrid", bucket=a.bucket if sharded else None, delayed_update=a.delayed_update and a.offload and sharded,
                model=a.model or "cpu-small", dtype=a.dtype, world=world, mbs=a.mbs,
                params_m=round(n_params / 1e6, 1), step_ms=round(dt * 1e3, 2), tok_s_gpu=round(tok / dt),
@@ -324,6 +328,7 @@ def _launch(a: argparse.Namespace, spec: dict, nproc: int, gpu: bool) -> Optiona
             *(["--delayed-update"] if spec.get("delayed") else []),
             *(["--overlap-step"] if spec.get("overlap_step") else []),
             *(["--compile"] if spec.get("compile") else []),
+            *(["--compile-head"] if spec.get("compile_head") else []),
             *(["--overlap-gather"] if spec.get("overlap_gather") else []),
             "--replicas", str(spec.get("replicas", 0)), *(["--replay"] if spec.get("replay") else []),
             "--dtype", a.dtype or ("bf16" if gpu else "fp32"), "--mbs", str(a.mbs or (8 if gpu else 4)),
@@ -361,7 +366,7 @@ def print_table(results: List[dict], baseline: Optional[str] = None, settings: O
         name += " overlap-step" if r.get("overlap_step") else ""
         name += f" ratio {r['offload_ratio']}" if r.get("offload_ratio") not in (None, "1.0") else ""
         name += " half-norm" if r.get("norm_activations") == "half" else ""
-        name += " compiled" if r.get("compile") else ""
+        name += (" compiled+head" if r.get("compile_head") else " compiled") if r.get("compile") else ""
         name += f" overlap-gather/{r['bucket']:.0e}" if r.get("overlap_gather") else ""
         name += (" replay" if r.get("replay") else f" replicas/{r['replicas']}") if r.get("replicas") else ""
         mfu = f"{r['mfu'] * 100:.1f}%" if r["mfu"] is not None else "-"

@@ -41,6 +41,11 @@ SUITES: Dict[str, List[dict]] = {
     "compile-gpu1-1.3b": [dict(impl="torch", model="1.3b"), dict(impl="torch", compile=True, model="1.3b"),
                           dict(impl="hybrid", stage=3, compile=True, model="1.3b"),
                           dict(impl="hybrid", stage=2, compile=True, model="1.3b")],
+    # ... and with the final norm, head and loss compiled too (one fused cross-entropy), at 1.3B.
+    "compile-head-gpu1-1.3b": [dict(impl="torch", compile=True, model="1.3b"),
+                               dict(impl="torch", compile=True, compile_head=True, model="1.3b"),
+                               dict(impl="hybrid", stage=3, compile=True, compile_head=True, model="1.3b"),
+                               dict(impl="hybrid", stage=2, compile=True, compile_head=True, model="1.3b")],
     # Optimizer offload (1 GPU): the model still fits without offload, so plain torch is the ceiling.
     "offload1": [dict(impl="torch", model="1.3b"), dict(impl="hybrid", stage=2, offload=True, model="1.3b"),
                  dict(impl="hybrid", stage=2, offload=True, delayed=True, model="1.3b"),
@@ -81,4 +86,5 @@ BASELINE = {"zero3-gpu2-1.3b": "fsdp2", "offload2": "deepspeed", "offload-ratio-
             "offload-overlap-gpu1": "deepspeed",
             "offload-ratio-gpu1-2.7b": "deepspeed"}
 # ... and among several rows of that implementation, the one with these settings.
-BASELINE_SETTINGS = {"compile-gpu1": {"compile": True}, "compile-gpu1-1.3b": {"compile": True}}
+BASELINE_SETTINGS = {"compile-gpu1": {"compile": True}, "compile-gpu1-1.3b": {"compile": True},
+                     "compile-head-gpu1-1.3b": {"compile": True}}

@@ -99,6 +99,11 @@ class GPT(nn.Module):
         x = self.wte(idx) + self.wpe(pos)
         for block in self.blocks:
             x = block(x)
+        return self.head_loss(x, targets)
+
+    def head_loss(self, x: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The final norm, the output head and the loss: a method of its own so that it can be
+        compiled apart from the blocks (fused, the fp32 logits are never materialised)."""
         logits = self.head(self.ln_f(x))
         if targets is None:
             return logits
