@@ -1,5 +1,6 @@
-"""Blocks compiled with torch.compile train under the engine at every ZeRO stage, with no graph
-break, to the same weights as the same engine uncompiled (2 gloo ranks, bf16 autocast).
+"""Blocks compiled with torch.compile, and the head with its loss compiled apart
+(GPT.head_loss), train under the engine at every ZeRO stage, with no graph break, to the same
+weights as the same engine uncompiled (2 gloo ranks, bf16 autocast).
 
 bf16 on the CPU puts every LayerNorm in an fp32 precision region, the case that compile could
 not trace while regions were hook pairs. The backend is aot_eager: it runs dynamo and
@@ -45,6 +46,8 @@ def train(rank: int, world: int, stages: List[int], out: str) -> None:
             if compiled:
                 for block in model.blocks:
                     block.compile(backend="aot_eager")
+                # the final norm, head and fp32 loss as one graph too (GPT.forward calls it)
+                model.head_loss = torch.compile(model.head_loss, backend="aot_eager")
             g = torch.Generator().manual_seed(rank)
             losses = []
             for _ in range(STEPS):
