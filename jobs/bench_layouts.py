@@ -3,8 +3,9 @@ pipeline parallelism, the GPT as a PipelineModule through train_batch) against t
 composition of the same (jobs/torch_native.py: FSDP2 + DTensor TP + torch.distributed.pipelining,
 rows with impl "torch_native"), on the project's GPT, one invocation.
 
-    python jobs/bench_layouts.py --suite layouts-gpu8      # 8 GPUs: 6.7B and 13B, seq 2048, the
-                                                           # layouts (1,1,8) ZeRO-3, (2,1,4), (4,2,1), (2,2,2)
+    python jobs/bench_layouts.py --suite layouts-gpu8-6.7b # 8 GPUs, seq 2048: (1,1,8) ZeRO-3, (2,1,4),
+                                                           # (4,2,1), (2,2,2), and (1,2,4) with DeepSpeed
+    python jobs/bench_layouts.py --suite layouts-gpu8-13b  # the same at 13B
     python jobs/bench_layouts.py --suite layouts-gpu1      # 1 GPU: both stacks at (1,1,1), 350M
     python jobs/bench_layouts.py --suite layouts-cpu8      # 8 gloo processes on CPU, a small GPT
 One measurement (under torchrun, world = T*P*dp):
@@ -34,12 +35,24 @@ from hybrid_ray.models import GPT, GPT_SIZES, GPTConfig  # noqa: E402
 
 LR, WD, CLIP = 3e-4, 0.1, 1.0
 CPU_MODEL = GPTConfig(n_layer=4, n_head=4, d_model=64, vocab_size=512, seq_len=64)
-_LAYOUTS8 = [(1, 1, 8, 3), (2, 1, 4, 1), (4, 2, 1, 1), (2, 2, 2, 1)]  # (T, P, dp, hybrid ZeRO stage)
+# (T, P, dp, hybrid ZeRO stage): the issue's four, and (1,2,4) where DeepSpeed's pipeline runs too
+_LAYOUTS8 = [(1, 1, 8, 3), (2, 1, 4, 1), (4, 2, 1, 1), (2, 2, 2, 1), (1, 2, 4, 1)]
+
+
+def _gpu8(model: str) -> list:
+    rows = []
+    for (t, p, d, s) in _LAYOUTS8:
+        impls = ("torch_native", "hybrid") + (("deepspeed",) if t == 1 and p > 1 else ())
+        rows += [dict(impl=impl, layout=(t, p, d), stage=s, model=model) for impl in impls]
+    return rows
+
+
 SUITES = {
-    "layouts-gpu8": [dict(impl=impl, layout=(t, p, d), stage=s, model=m) for m in ("6.7b", "13b")
-                     for (t, p, d, s) in _LAYOUTS8 for impl in ("torch_native", "hybrid")],
+    "layouts-gpu8-6.7b": _gpu8("6.7b"),
+    "layouts-gpu8-13b": _gpu8("13b"),
     "layouts-gpu1": [dict(impl="torch_native", layout=(1, 1, 1), model="350m"),
-                     dict(impl="hybrid", layout=(1, 1, 1), stage=1, model="350m")],
+                     dict(impl="hybrid", layout=(1, 1, 1), stage=1, model="350m"),
+                     dict(impl="deepspeed", layout=(1, 1, 1), stage=1, model="350m")],
     "layouts-cpu8": [dict(impl=impl, layout=(2, 2, 2), stage=1) for impl in ("torch_native", "hybrid")],
 }
 
@@ -48,12 +61,12 @@ def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--suite", choices=list(SUITES))
     p.add_argument("--measure", action="store_true", help="one measurement (under torchrun)")
-    p.add_argument("--impl", choices=["hybrid", "torch_native"], default="hybrid")
+    p.add_argument("--impl", choices=["hybrid", "torch_native", "deepspeed"], default="hybrid")
     p.add_argument("--layout", default="1,1,1", help="T,P,dp: tensor, pipeline and data-parallel sizes")
-    p.add_argument("--stage", type=int, default=1, help="hybrid: ZeRO stage")
+    p.add_argument("--stage", type=int, default=1, help="hybrid: ZeRO stage (deepspeed: at most 1)")
     p.add_argument("--model", default=None, help=f"one of {list(GPT_SIZES)} (default: a small CPU GPT)")
-    p.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's; suites on "
-                   "8 GPUs: 2048)")
+    p.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's; the "
+                   "layouts-gpu8 suites: 2048)")
     p.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="default: bf16 on GPUs, fp32 on CPUs")
     p.add_argument("--mbs", type=int, default=None, help="micro-batch size (default 2 on GPUs, 2 on CPUs)")
     p.add_argument("--micro", type=int, default=None, help="micro-batches per step and data-parallel rank "
@@ -90,6 +103,33 @@ def _hybrid_step(a: argparse.Namespace, cfg: GPTConfig, layout: tuple, dtype: st
     return step
 
 
+def _deepspeed_step(a: argparse.Namespace, cfg: GPTConfig, layout: tuple, dtype: str) -> Callable:
+    """DeepSpeed's pipeline engine on the same layers (its own LayerSpec / TiedLayerSpec). It
+    accepts ZeRO-1 at most with a pipeline and has no tensor parallelism of its own (that needs
+    Megatron's model-parallel unit), so only T = 1 layouts."""
+    import deepspeed
+    from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+    from hybrid_ray.lm.pipeline_model import Embeddings, GPTBlock, head, lm_loss
+    t, p, _ = layout
+    if t != 1:
+        sys.exit(f"deepspeed: layout {layout}: its pipeline engine has no tensor parallelism of its own")
+    layers = [TiedLayerSpec("embed", Embeddings, cfg), *[LayerSpec(GPTBlock, cfg) for _ in range(cfg.n_layer)],
+              LayerSpec(torch.nn.LayerNorm, cfg.d_model),
+              TiedLayerSpec("embed", Embeddings, cfg, forward_fn=head, tied_weight_attr="wte.weight")]
+    torch.manual_seed(0)
+    model = PipelineModule(layers=layers, loss_fn=lm_loss, num_stages=p, partition_method="parameters")
+    config = {"train_micro_batch_size_per_gpu": a.mbs, "gradient_accumulation_steps": a.micro,
+              "gradient_clipping": CLIP, "steps_per_print": 10**9, "zero_optimization": {"stage": min(a.stage, 1)},
+              "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}}}
+    if dtype == "bf16":
+        config["bf16"] = {"enabled": True}
+    engine = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)[0]
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return engine.train_batch(iter(zip(x.split(a.mbs), y.split(a.mbs))))
+    return step
+
+
 def _native_step(a: argparse.Namespace, cfg: GPTConfig, layout: tuple, dtype: str,
                  device: torch.device) -> Callable:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -111,7 +151,10 @@ def measure(a: argparse.Namespace) -> None:
     if t * p * d != dist.get_world_size():
         sys.exit(f"--layout {a.layout}: T*P*dp = {t * p * d}, but the world has {dist.get_world_size()} processes")
     cfg, dtype = model_config(a), a.dtype or ("bf16" if cuda else "fp32")
-    step = _hybrid_step(a, cfg, layout, dtype) if a.impl == "hybrid" else _native_step(a, cfg, layout, dtype, device)
+    if a.impl == "torch_native":
+        step = _native_step(a, cfg, layout, dtype, device)
+    else:
+        step = (_hybrid_step if a.impl == "hybrid" else _deepspeed_step)(a, cfg, layout, dtype)
     # the same sequences on every rank: tensor-parallel peers must see the same ones, and the
     # two stacks number their data-parallel ranks differently (the speed is the same)
     g = torch.Generator(device=device).manual_seed(0)
@@ -143,7 +186,7 @@ def _report(a: argparse.Namespace, cfg: GPTConfig, layout: tuple, dtype: str, dt
     last = torch.tensor([float(loss) if loss is not None else float("-inf")])
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     dist.all_reduce(last, op=dist.ReduceOp.MAX)  # the last stage's (dp rank 0 or another: any)
-    res = dict(impl=a.impl, stage=a.stage if a.impl == "hybrid" else None, tp=layout[0], pp=layout[1],
+    res = dict(impl=a.impl, stage={"hybrid": a.stage, "deepspeed": min(a.stage, 1)}.get(a.impl), tp=layout[0], pp=layout[1],
                dp=layout[2], model=a.model or "cpu-small", seq=cfg.seq_len, dtype=dtype, world=world,
                mbs=a.mbs, micro=a.micro, params_m=round(n_params / 1e6, 1), step_ms=round(dt * 1e3, 2),
                tok_s_gpu=round(tokens / dt / world), mfu=round(flops_tok * tokens / dt / world / a.peak, 4) if cuda else None,
@@ -181,7 +224,7 @@ def _launch(a: argparse.Namespace, spec: dict, gpu: bool) -> Optional[dict]:
             "--warmup", str(a.warmup or (3 if gpu else 1)), "--peak", str(a.peak)]
     model = a.model or spec.get("model")
     args += (["--model", model] if model else []) + (["--dtype", a.dtype] if a.dtype else [])
-    seq = a.seq or (2048 if a.suite == "layouts-gpu8" else None)
+    seq = a.seq or (2048 if a.suite.startswith("layouts-gpu8") else None)
     args += ["--seq", str(seq)] if seq else []
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={t * p * d}",
            os.path.abspath(__file__)] + args
