@@ -31,6 +31,8 @@ import torch.distributed as dist
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchmark import timed_steps  # noqa: E402
 from hybrid_ray.models import GPT, GPT_SIZES, GPTConfig  # noqa: E402
 
 LR, WD, CLIP = 3e-4, 0.1, 1.0
@@ -132,7 +134,6 @@ def _deepspeed_step(a: argparse.Namespace, cfg: GPTConfig, layout: tuple, dtype:
 
 def _native_step(a: argparse.Namespace, cfg: GPTConfig, layout: tuple, dtype: str,
                  device: torch.device) -> Callable:
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from torch_native import Layout, build
     small = cfg.d_model * cfg.n_layer <= 4096 * 8  # whole on every rank only while that is cheap
     run = build(cfg, Layout(*layout), a.micro, device, torch.bfloat16 if dtype == "bf16" else torch.float32,
@@ -161,16 +162,7 @@ def measure(a: argparse.Namespace) -> None:
     rows = a.micro * a.mbs
     x = torch.randint(0, cfg.vocab_size, (rows, cfg.seq_len), device=device, generator=g)
     y = torch.randint(0, cfg.vocab_size, (rows, cfg.seq_len), device=device, generator=g)
-    for _ in range(a.warmup):
-        step(x, y)
-    _sync(cuda)
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    t0 = time.perf_counter()
-    for _ in range(a.steps):
-        loss = step(x, y)
-    _sync(cuda)
-    dt = (time.perf_counter() - t0) / a.steps
+    dt, loss = timed_steps(step, x, y, a.warmup, a.steps, cuda)
     _report(a, cfg, layout, dtype, dt, loss, cuda)
     dist.destroy_process_group()
 
@@ -193,12 +185,6 @@ def _report(a: argparse.Namespace, cfg: GPTConfig, layout: tuple, dtype: str, dt
                peak_mem_gb=round(peak.item(), 2) if cuda else None, loss=round(last.item(), 3))
     if dist.get_rank() == 0:
         print("RESULT " + json.dumps(res), flush=True)
-
-
-def _sync(cuda: bool) -> None:
-    if cuda:
-        torch.cuda.synchronize()
-    dist.barrier()
 
 
 def run_suite(a: argparse.Namespace) -> List[dict]:

@@ -219,16 +219,7 @@ def measure(a: argparse.Namespace) -> None:
     g = torch.Generator(device=device).manual_seed(rank)
     x = torch.randint(0, cfg.vocab_size, (a.mbs, cfg.seq_len), device=device, generator=g)
     y = torch.randint(0, cfg.vocab_size, (a.mbs, cfg.seq_len), device=device, generator=g)
-    for _ in range(a.warmup):
-        step(x, y)
-    _sync(cuda)
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    t0 = time.perf_counter()
-    for _ in range(a.steps):
-        loss = step(x, y)
-    _sync(cuda)
-    dt = (time.perf_counter() - t0) / a.steps
+    dt, loss = timed_steps(step, x, y, a.warmup, a.steps, cuda)
     if a.profile:
         _profile(a, step, x, y, rank, cuda)
     tok = a.mbs * cfg.seq_len
@@ -271,6 +262,22 @@ def _profile(a: argparse.Namespace, step: Callable, x: torch.Tensor, y: torch.Te
     prof.export_chrome_trace(trace)
     subprocess.run(["gzip", "-f", trace], check=False)  # traces of a 1.3B step run to tens of MB
     print(f"# profile written to {a.profile}/{name}.txt", flush=True)
+
+
+def timed_steps(step: Callable, x: torch.Tensor, y: torch.Tensor, warmup: int, steps: int,
+                cuda: bool) -> tuple:
+    """Seconds per step over `steps` after `warmup` untimed ones (peak memory counted from the
+    timed ones), and the last step's loss."""
+    for _ in range(warmup):
+        step(x, y)
+    _sync(cuda)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        loss = step(x, y)
+    _sync(cuda)
+    return (time.perf_counter() - t0) / steps, loss
 
 
 def _sync(cuda: bool) -> None:
