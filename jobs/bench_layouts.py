@@ -87,6 +87,7 @@ def model_config(a: argparse.Namespace) -> GPTConfig:
 
 def _hybrid_step(a: argparse.Namespace, cfg: GPTConfig, layout: tuple, dtype: str) -> Callable:
     import hybrid_ray
+    import hybrid_ray.zero
     from hybrid_ray.lm.pipeline_model import gpt_pipeline
     t, p, _ = layout
     config = {"train_micro_batch_size_per_gpu": a.mbs, "gradient_accumulation_steps": a.micro,
@@ -97,7 +98,11 @@ def _hybrid_step(a: argparse.Namespace, cfg: GPTConfig, layout: tuple, dtype: st
     if dtype == "bf16":
         config["bf16"] = {"enabled": True}
     torch.manual_seed(0)
-    engine = hybrid_ray.initialize(gpt_pipeline(cfg, num_stages=p, seed_layers=True), config=config)[0]
+    # at ZeRO-3 each parameter is partitioned as it is made (zero.Init), as a large model's
+    # script builds it: eight ranks building 13B whole would need 400 GB of host memory
+    with hybrid_ray.zero.Init(config_dict_or_path=config):
+        model = gpt_pipeline(cfg, num_stages=p, seed_layers=True)
+    engine = hybrid_ray.initialize(model, config=config)[0]
 
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         batches = zip(x.split(a.mbs), y.split(a.mbs))

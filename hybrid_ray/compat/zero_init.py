@@ -253,7 +253,9 @@ def _registering(init: Init, original):
     """nn.Module.register_parameter that partitions what it registers (bound to one Init)."""
     def register_parameter(module: nn.Module, name: str, param: Optional[nn.Parameter]) -> None:
         original(module, name, param)
-        if param is None or zp.is_partitioned(param) or init._mode is None:
+        # A parameter made on the meta device (torch's skip_init, a deferred init) has no values
+        # to cut yet: to_empty or a load gives it storage later, and initialize partitions it then.
+        if param is None or param.is_meta or zp.is_partitioned(param) or init._mode is None:
             return
         with torch._C.DisableTorchFunction():
             init._mode.settle()

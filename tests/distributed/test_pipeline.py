@@ -32,7 +32,9 @@ PRECISION = {"fp32": {}, "bf16": {"bf16": {"enabled": True}},
 def config(dp: int, zero: int, schedule: str, precision: str = "fp32") -> dict:
     return {"train_micro_batch_size_per_gpu": MICRO * (2 // dp), "gradient_accumulation_steps": GAS,
             "gradient_clipping": 0.3, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-            "zero_optimization": {"stage": zero},
+            # at ZeRO-3 parameters above 100 elements are partitioned (the default threshold
+            # would keep every weight of these small models whole, and test nothing of it)
+            "zero_optimization": {"stage": zero, **({"stage3_param_persistence_threshold": 100} if zero == 3 else {})},
             "pipeline": {"schedule": schedule, "stages_per_rank": per_rank(schedule)},
             **PRECISION[precision]}
 
@@ -74,7 +76,7 @@ def staged(rank: int, world: int, out: str, zero: int, schedule: str, precision:
 
 def dump(engine, losses, out: str, rank: int) -> None:
     """This rank's losses and stage weights, for the test process to compare; the engine ends."""
-    state = {k: v.tolist() for k, v in engine.module.state_dict().items()}
+    state = {k: v.tolist() for k, v in engine.consolidated_state_dict(rank0_only=False).items()}
     Path(out, f"rank{rank}.json").write_text(json.dumps({"losses": losses, "state": state}))
     engine.destroy()
 
@@ -214,6 +216,19 @@ def gpt_staged(rank: int, world: int, out: str, zero: int, schedule: str, cut_by
         assert module.parts == [0, 1, 2, 4, 5] and module.partition_method == "uniform"
         assert module.chunk_bounds() == ([(0, 1), (2, 4)] if module.stage_id == 0 else [(1, 2), (4, 5)])
     dump(engine, losses, out, rank)
+
+
+def gpt_one_stage(rank: int, world: int, out: str) -> None:
+    engine, losses = gpt_run(1, world, rank, zero=3)
+    dump(engine, losses, out, rank)
+
+
+def test_the_project_gpt_as_one_stage_at_zero3_trains_as_one_process(tmp_path: Path) -> None:
+    """P = 1 over 2 data-parallel ranks at ZeRO-3: the embedding, its tied head and the blocks
+    partitioned (the layouts (1, 1, dp) and (T, 1, dp) run the GPT so)."""
+    spawn.run(gpt_one_stage, 2, str(tmp_path), timeout_s=90)
+    engine, want_losses = gpt_run(1, 1, 0)
+    assert_like_one_process(tmp_path, 2, engine.module.state_dict(), want_losses, 1e-4, 1e-5, {"rel": 1e-5})
 
 
 @pytest.mark.parametrize("world,zero,schedule,cut_by_config", [

@@ -311,3 +311,29 @@ def test_noop_at_one_rank() -> None:
         assert not hasattr(p, "ds_numel") and torch.equal(p, q)
     with hybrid_ray.zero.GatheredParameters(list(model.parameters()), modifier_rank=0):
         pass
+
+
+# ---- (c) a model that makes a parameter on the meta device (torch's skip_init) --------------
+def run_meta_parity(rank: int, world: int) -> None:
+    """The pipelined GPT makes its head with skip_init (on meta, then tied to the embedding):
+    built under Init it trains as it does built normally."""
+    from hybrid_ray.lm.pipeline_model import gpt_pipeline
+
+    def run(under_init: bool) -> tuple:
+        torch.manual_seed(0)
+        with hybrid_ray.zero.Init(config_dict_or_path=config(), enabled=under_init):
+            model = gpt_pipeline(CFG, num_stages=1, seed_layers=True)
+        engine = hybrid_ray.initialize(model, config=config())[0]
+        losses = [engine.train_batch(iter([batch(s, rank, world)])).item() for s in range(STEPS)]
+        state = engine.consolidated_state_dict(rank0_only=False)
+        engine.close()
+        return losses, state
+
+    (want, want_state), (got, state) = run(False), run(True)
+    assert got == want
+    for name, t in want_state.items():
+        assert torch.equal(state[name], t), name
+
+
+def test_init_leaves_meta_parameters_to_initialize() -> None:
+    spawn.run(run_meta_parity, 2, timeout_s=120)

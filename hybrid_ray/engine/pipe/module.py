@@ -31,6 +31,7 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from ...config import ConfigError
 from ...config.sections import check_partition_method
 from . import layout
+from ..zero.stage3 import register_external_parameter
 
 
 class LayerSpec:
@@ -216,6 +217,11 @@ class PipelineModule(nn.Module):
         if isinstance(layer, TiedLayerSpec):
             if layer.key not in self.tied_modules:
                 self.tied_modules[layer.key] = layer.build()
+                # Used by this module's forward at each of its places, through forward_fn
+                # (a GPT's head reads the embedding's weight): under ZeRO-3 it stays gathered
+                # for the whole step, as a plain model's tied weights do.
+                for p in self.tied_modules[layer.key].parameters():
+                    register_external_parameter(self, p)
             return _Tied(self.tied_modules, layer.key, layer.forward_fn)
         if isinstance(layer, LayerSpec):
             layer = layer.build()

@@ -55,10 +55,14 @@ def register_external_parameter(module: nn.Module, param: nn.Parameter) -> None:
 
 
 def unit_modules(model: nn.Module) -> List[nn.Module]:
-    """Default units: the children of every ModuleList, else the root's direct children."""
+    """Default units: the children of every ModuleList, else the root's direct children, a
+    ModuleDict's members in its place (a container is never called itself, so hooks on it
+    would never gather its parameters)."""
     units = [child for m in model.modules() if isinstance(m, nn.ModuleList) for child in m]
     if not units:
-        units = [c for c in model.children() if any(True for _ in c.parameters())]
+        for c in model.children():
+            members = list(c.children()) if isinstance(c, nn.ModuleDict) else [c]
+            units += [m for m in members if any(True for _ in m.parameters())]
     return units
 
 
