@@ -44,8 +44,7 @@ SUITES: Dict[str, List[dict]] = {
     # ... and with the final norm, head and loss compiled too (one fused cross-entropy), at 1.3B.
     "compile-head-gpu1-1.3b": [dict(impl="torch", compile=True, model="1.3b"),
                                dict(impl="torch", compile=True, compile_head=True, model="1.3b"),
-                               dict(impl="hybrid", stage=3, compile=True, compile_head=True, model="1.3b"),
-                               dict(impl="hybrid", stage=2, compile=True, compile_head=True, model="1.3b")],
+                               dict(impl="hybrid", stage=3, compile=True, compile_head=True, model="1.3b")],
     # Optimizer offload (1 GPU): the model still fits without offload, so plain torch is the ceiling.
     "offload1": [dict(impl="torch", model="1.3b"), dict(impl="hybrid", stage=2, offload=True, model="1.3b"),
                  dict(impl="hybrid", stage=2, offload=True, delayed=True, model="1.3b"),
