@@ -32,7 +32,7 @@ import torch.distributed as dist
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchmark import timed_steps  # noqa: E402
+from bench_timing import timed_steps  # noqa: E402
 from hybrid_ray.models import GPT, GPT_SIZES, GPTConfig  # noqa: E402
 
 LR, WD, CLIP = 3e-4, 0.1, 1.0

@@ -37,7 +37,8 @@ from hybrid_ray.models import GPT, GPT_SIZES, GPTConfig  # noqa: E402
 LR, WD, CLIP = 3e-4, 0.1, 1.0
 CPU_MODEL = GPTConfig(n_layer=4, n_head=4, d_model=256, vocab_size=8192, seq_len=256)
 
-from benchmark_suites import BASELINE, BASELINE_SETTINGS, SUITES  # noqa: E402  (jobs/ is on sys.path)
+from bench_timing import sync as _sync, timed_steps  # noqa: E402  (jobs/ is on sys.path)
+from benchmark_suites import BASELINE, BASELINE_SETTINGS, SUITES  # noqa: E402
 
 
 def parse() -> argparse.Namespace:
@@ -262,28 +263,6 @@ def _profile(a: argparse.Namespace, step: Callable, x: torch.Tensor, y: torch.Te
     prof.export_chrome_trace(trace)
     subprocess.run(["gzip", "-f", trace], check=False)  # traces of a 1.3B step run to tens of MB
     print(f"# profile written to {a.profile}/{name}.txt", flush=True)
-
-
-def timed_steps(step: Callable, x: torch.Tensor, y: torch.Tensor, warmup: int, steps: int,
-                cuda: bool) -> tuple:
-    """Seconds per step over `steps` after `warmup` untimed ones (peak memory counted from the
-    timed ones), and the last step's loss."""
-    for _ in range(warmup):
-        step(x, y)
-    _sync(cuda)
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        loss = step(x, y)
-    _sync(cuda)
-    return (time.perf_counter() - t0) / steps, loss
-
-
-def _sync(cuda: bool) -> None:
-    if cuda:
-        torch.cuda.synchronize()
-    dist.barrier()
 
 
 # ---- a suite: every implementation, one after the other --------------------------------
