@@ -123,6 +123,7 @@ def _deepspeed_step(a: argparse.Namespace, cfg: GPTConfig, layout: tuple, dtype:
     layers = [TiedLayerSpec("embed", Embeddings, cfg), *[LayerSpec(GPTBlock, cfg) for _ in range(cfg.n_layer)],
               LayerSpec(torch.nn.LayerNorm, cfg.d_model),
               TiedLayerSpec("embed", Embeddings, cfg, forward_fn=head, tied_weight_attr="wte.weight")]
+    deepspeed.init_distributed()  # its own communication layer over the group measure() made
     torch.manual_seed(0)
     model = PipelineModule(layers=layers, loss_fn=lm_loss, num_stages=p, partition_method="parameters")
     config = {"train_micro_batch_size_per_gpu": a.mbs, "gradient_accumulation_steps": a.micro,
@@ -179,8 +180,9 @@ def _report(a: argparse.Namespace, cfg: GPTConfig, layout: tuple, dtype: str, dt
         n_params = GPT(cfg).num_params()
     tokens = layout[2] * a.micro * a.mbs * cfg.seq_len  # the step's, all data-parallel ranks
     flops_tok = 6 * n_params + 12 * cfg.n_layer * cfg.d_model * cfg.seq_len
-    peak = torch.tensor([torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0])
-    last = torch.tensor([float(loss) if loss is not None else float("-inf")])
+    on = torch.device("cuda", torch.cuda.current_device()) if cuda else None  # NCCL reduces device tensors
+    peak = torch.tensor([torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0], device=on)
+    last = torch.tensor([float(loss) if loss is not None else float("-inf")], device=on)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     dist.all_reduce(last, op=dist.ReduceOp.MAX)  # the last stage's (dp rank 0 or another: any)
     res = dict(impl=a.impl, stage={"hybrid": a.stage, "deepspeed": min(a.stage, 1)}.get(a.impl), tp=layout[0], pp=layout[1],

@@ -239,3 +239,31 @@ def test_persistent_host_buffers_are_page_locked_at_their_exact_size(delayed: bo
     assert engine.memory_breakdown()["host_pinned"] == exact
     engine.close()
     assert offload.pinned_bytes() == 0 and not masters[0].is_pinned()
+
+
+
+def _init_growth(offload: bool) -> Tuple[int, int, Engine]:
+    torch.manual_seed(0)
+    model = GPT(CFG).to(CUDA0, torch.bfloat16)
+    numel = sum(p.numel() for p in model.parameters())
+    cfg = config(2, precision="bf16")
+    if not offload:
+        del cfg["zero_optimization"]["offload_optimizer"]
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    engine = Engine(model, cfg, topology=Topology(0, 1, CUDA0))
+    return torch.cuda.max_memory_allocated() - before, numel, engine
+
+
+def test_offloaded_masters_are_made_on_the_host_without_a_device_fp32_copy() -> None:
+    """A bf16 model's fp32 masters go straight to the host: building the engine never holds a
+    whole fp32 copy of the shard on the device (a 10B model's was 32 GB there), so its peak is
+    the plain engine's less the masters' 4 bytes per element."""
+    plain, numel, engine = _init_growth(offload=False)
+    engine.close()
+    del engine
+    offloaded, _, engine = _init_growth(offload=True)
+    assert all(m.device.type == "cpu" for m in engine.zero.masters)
+    assert offloaded <= plain - 3 * numel, (offloaded, plain, numel)
+    engine.close()

@@ -131,3 +131,17 @@ def test_large_cpu_gradient_norm_is_accurate() -> None:
     exact = (g.double() ** 2).sum()
     assert abs(_cpu_square_sum([g, g[:100]]) - exact - (g[:100].double() ** 2).sum()) < 1e-6 * exact
     assert _cpu_square_sum([torch.tensor([float("inf")] * (1 << 16))]).isinf()
+
+
+def test_to_host_converts_slice_by_slice_exactly(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Masters are converted to fp32 into their host buffer in slices (no whole-shard fp32
+    temporary on the device): every element, across slice boundaries and a short last slice."""
+    from hybrid_ray.engine.zero import offload as off
+    monkeypatch.setattr(off, "_CONVERT_SLICE", 7)
+    host = off.HostOffload(torch.device("cpu"), pin_memory=False, delayed=False)
+    src = torch.randn(5, 9).to(torch.bfloat16)
+    out = host.to_host(src, torch.float32)
+    assert out.dtype == torch.float32 and out.shape == src.shape
+    assert torch.equal(out, src.float()) and out.data_ptr() != src.data_ptr()
+    same = host.to_host(src)
+    assert same.dtype == torch.bfloat16 and torch.equal(same, src)

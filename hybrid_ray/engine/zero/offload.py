@@ -51,6 +51,7 @@ from hybrid_ray.config.sections import OffloadConfig
 from .pinned import PinnedRegistry
 
 log = logging.getLogger("hybrid_ray")
+_CONVERT_SLICE = 1 << 26  # elements per slice of a converting device-to-host copy (256 MB as fp32)
 
 
 class HostOffload:
@@ -109,11 +110,17 @@ class HostOffload:
         """Page-locked host bytes this offload registered (its persistent buffers)."""
         return self.pinned.nbytes if self.pinned is not None else 0
 
-    def to_host(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A persistent host copy of `tensor` (a new buffer even on a CPU engine)."""
-        out = self.persistent(tensor.numel(), tensor.dtype)
-        out.copy_(tensor.reshape(-1))
-        return out.view_as(tensor)
+    def to_host(self, tensor: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """A persistent host copy of `tensor`, as `dtype` (a new buffer even on a CPU engine).
+
+        Copied in slices: a copy that also converts converts on the source device first, and
+        a whole-shard fp32 temporary there (32 GB for a 10B model's masters) is what offload
+        exists to avoid."""
+        out = self.persistent(tensor.numel(), dtype or tensor.dtype)
+        flat = tensor.reshape(-1)
+        for start in range(0, flat.numel(), _CONVERT_SLICE):
+            out[start:start + _CONVERT_SLICE].copy_(flat[start:start + _CONVERT_SLICE])
+        return out.view(tensor.shape)
 
     def grad_buffer(self, key: int, numel: int) -> torch.Tensor:
         """The fp32 host master gradient for `key` in the current window (persistent)."""

@@ -65,9 +65,11 @@ class ZeroOptimizer:
         for space in spaces:
             # A space built from zero.Init partitions has no flat buffer, only its local shard.
             local = space.local_shard if space.local_shard is not None else space.gather_shard(space.flat)
-            shard = local.to(torch.float32, copy=local is space.local_shard)
-            host = self.offload is not None and space.offloaded
-            self.masters.append(torch.nn.Parameter(self.offload.to_host(shard) if host else shard))
+            if self.offload is not None and space.offloaded:  # straight to the host, fp32 there
+                shard = self.offload.to_host(local, torch.float32)
+            else:
+                shard = local.to(torch.float32, copy=local is space.local_shard)
+            self.masters.append(torch.nn.Parameter(shard))
         self.optimizer: Optional[torch.optim.Optimizer] = None
         # Parameters (by id) whose gradient another rank of topo.model_group counts in the norm
         # (a weight tied across pipeline stages): left out here so that it counts once.
