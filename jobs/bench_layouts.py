@@ -127,11 +127,13 @@ def _deepspeed_step(a: argparse.Namespace, cfg: GPTConfig, layout: tuple, dtype:
     torch.manual_seed(0)
     model = PipelineModule(layers=layers, loss_fn=lm_loss, num_stages=p, partition_method="parameters")
     config = {"train_micro_batch_size_per_gpu": a.mbs, "gradient_accumulation_steps": a.micro,
-              "gradient_clipping": CLIP, "steps_per_print": 10**9, "zero_optimization": {"stage": min(a.stage, 1)},
-              "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}}}
+              "gradient_clipping": CLIP, "steps_per_print": 10**9, "zero_optimization": {"stage": min(a.stage, 1)}}
     if dtype == "bf16":
         config["bf16"] = {"enabled": True}
-    engine = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)[0]
+    # torch's fused AdamW, as the other stacks step: DeepSpeed's own FusedAdam is built at run
+    # time and its build fails on a GPU machine whose arch list says "9.0a"
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, fused=torch.cuda.is_available())
+    engine = deepspeed.initialize(model=model, optimizer=opt, config=config)[0]
 
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return engine.train_batch(iter(zip(x.split(a.mbs), y.split(a.mbs))))
