@@ -1,7 +1,8 @@
 """The torch-native baseline for tensor x pipeline x data parallelism, composed as torchtitan
 composes them, from torch's public APIs only: DTensor tensor parallelism with sequence-parallel
 norms and a loss computed on the vocabulary shards (loss_parallel), torch.distributed.pipelining
-(one stage per rank, 1F1B or GPipe), and FSDP2 over the data-parallel ranks (bf16 parameters,
+(one stage per rank, 1F1B or GPipe; with one stage, plain gradient accumulation instead, as
+torchtitan runs it), and FSDP2 over the data-parallel ranks (bf16 parameters,
 fp32 gradient reduction, no reshard after forward under a pipeline), fused AdamW, and the
 gradient norm clipped over every stage.
 
@@ -180,15 +181,15 @@ def build(cfg: GPTConfig, layout: Layout, micro_batches: int, device: torch.devi
     params = [p for p in stage.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, eps=eps,
                             **({"fused": True} if device.type == "cuda" else {"foreach": True}))
-    pipe = PipelineStage(stage, pp_rank, layout.pp, device, group=mesh["pp"].get_group())
-    kind = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[schedule]
-    sched = kind(pipe, n_microbatches=micro_batches, loss_fn=_loss)
-    is_first, is_last = pp_rank == 0, pp_rank == layout.pp - 1
+    if layout.pp > 1:
+        forward_backward = _pipelined(stage, pp_rank, layout.pp, device, mesh, micro_batches, schedule)
+    else:  # no pipeline: torchtitan runs the model itself, without a one-stage schedule
+        forward_backward = _accumulating(stage, micro_batches)
 
     def step(x: torch.Tensor, y: torch.Tensor) -> Optional[torch.Tensor]:
         losses: List[torch.Tensor] = []
-        with loss_parallel() if layout.tp > 1 else contextlib.nullcontext():
-            sched.step(*((x,) if is_first else ()), **({"target": y, "losses": losses} if is_last else {}))
+        with loss_parallel() if layout.tp > 1 else contextlib.nullcontext():  # backward inside too
+            forward_backward(x, y, losses)
         _clip(params, clip, mesh)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -197,6 +198,35 @@ def build(cfg: GPTConfig, layout: Layout, micro_batches: int, device: torch.devi
         return torch.stack([loss.detach() for loss in plain]).mean() if plain else None
 
     return NativeRun(step, stage, mesh, layout)
+
+
+StepFn = Callable[[torch.Tensor, torch.Tensor, List[torch.Tensor]], None]
+
+
+def _pipelined(stage: Stage, pp_rank: int, pp: int, device: torch.device, mesh: DeviceMesh,
+               micro_batches: int, schedule: str) -> StepFn:
+    """Forward and backward of one batch through the pipeline schedule (the last stage's
+    per-micro-batch losses into `losses`)."""
+    pipe = PipelineStage(stage, pp_rank, pp, device, group=mesh["pp"].get_group())
+    kind = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[schedule]
+    sched = kind(pipe, n_microbatches=micro_batches, loss_fn=_loss)
+    is_first, is_last = pp_rank == 0, pp_rank == pp - 1
+
+    def run(x: torch.Tensor, y: torch.Tensor, losses: List[torch.Tensor]) -> None:
+        sched.step(*((x,) if is_first else ()), **({"target": y, "losses": losses} if is_last else {}))
+    return run
+
+
+def _accumulating(stage: Stage, micro_batches: int) -> StepFn:
+    """Forward and backward of one batch as `micro_batches` accumulated ones; FSDP2 reduces
+    the gradients once, after the last (as the pipeline schedule scales them: by 1/n)."""
+    def run(x: torch.Tensor, y: torch.Tensor, losses: List[torch.Tensor]) -> None:
+        for i, (xs, ys) in enumerate(zip(x.chunk(micro_batches), y.chunk(micro_batches))):
+            stage.set_requires_gradient_sync(i == micro_batches - 1)
+            loss = _loss(stage(xs), ys)
+            (loss / micro_batches).backward()
+            losses.append(loss.detach())
+    return run
 
 
 def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -49,8 +49,12 @@ def train_split(rank: int, world: int, layout: tuple, out: str) -> None:
     spawn.save_result(out, rank, {"losses": losses, "state": native.full_state(run)})
 
 
-def test_tensor_pipeline_data_parallel_baseline_trains_as_one_process(tmp_path: Path) -> None:
-    spawn.run(train_split, 8, (2, 2, 2), str(tmp_path), timeout_s=120)
+@pytest.mark.parametrize("layout", [(2, 2, 2), (2, 1, 2)], ids=["pipelined", "one-stage"])
+def test_tensor_pipeline_data_parallel_baseline_trains_as_one_process(layout: tuple, tmp_path: Path) -> None:
+    """(2, 1, 2): one stage runs without the pipeline schedule (accumulated micro-batches, one
+    gradient reduction), and must train the same."""
+    world = layout[0] * layout[1] * layout[2]
+    spawn.run(train_split, world, layout, str(tmp_path), timeout_s=120)
     native = load_script("torch_native")
     ref = native.gpt_reference(CFG, 0)
     opt = torch.optim.AdamW(ref.parameters(), foreach=True, **OPT)
@@ -62,9 +66,9 @@ def test_tensor_pipeline_data_parallel_baseline_trains_as_one_process(tmp_path: 
         opt.step()
         opt.zero_grad()
         want.append(loss.item())
-    results = spawn.results(str(tmp_path), 8)
+    results = spawn.results(str(tmp_path), world)
     last_stage = [r for r in results if r["losses"]]
-    assert len(last_stage) == 4  # ranks of pipeline stage 1: 2 tensor x 2 data
+    assert len(last_stage) == layout[0] * layout[2]  # the last stage's ranks: tensor x data
     for r in last_stage:
         assert r["losses"] == pytest.approx(want, rel=1e-5)
     expected = ref.state_dict()
