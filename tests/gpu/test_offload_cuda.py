@@ -241,7 +241,6 @@ def test_persistent_host_buffers_are_page_locked_at_their_exact_size(delayed: bo
     assert offload.pinned_bytes() == 0 and not masters[0].is_pinned()
 
 
-
 def _init_growth(offload: bool) -> Tuple[int, int, Engine]:
     torch.manual_seed(0)
     model = GPT(CFG).to(CUDA0, torch.bfloat16)
