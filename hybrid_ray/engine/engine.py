@@ -204,7 +204,7 @@ class Engine(EngineLifecycle, EngineState, DeepSpeedAccessors, PipelineBatches):
         for params, _ in self._groups:
             for p in params:
                 p.data = state[id(p)]["master"].clone()  # fp32, off the old flat buffers
-        self._remove_hooks()
+        self._drop_layout()
         self._build_precision(base)
         self._build_zero(self._groups, broadcast=False)
         build.rebind_client_optimizer(self.optimizer, self._master_groups())

@@ -185,6 +185,23 @@ class EngineLifecycle:
                 self.__dict__.pop(name, None)
             self.topology = dataclasses.replace(self.topology, group=None, model_group=None)
 
+    def _drop_layout(self) -> None:
+        """Remove the hooks and free the flat parameters, gradients, masters and optimizer state of the current
+        layout once its values were exported: built next to a new layout they would double
+        the device memory a precision switch needs. The objects stay (the old optimizer's
+        groups still name the masters until they are rebound); their storage goes."""
+        self._remove_hooks()
+        for master in self.zero.masters:
+            self.optimizer.state.pop(master, None)
+            master.grad = None
+            master.data = master.data.new_empty(0)
+        for space in self.spaces:
+            space.flat = space.flat.new_empty(0)
+            space.local_shard = None
+            for p in space.params:
+                p.grad = None  # stages 0-1 (and one rank) keep .grad as views of the flat gradient
+        self.reducer.grads.clear()
+
     def _remove_hooks(self) -> None:
         if self.zero.gather_overlap is not None:
             self.zero.gather_overlap.remove()

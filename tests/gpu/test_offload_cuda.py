@@ -113,11 +113,15 @@ def test_partial_offload_matches_fused_adamw_on_cuda(stage: int, ratio: object) 
     assert err < 1e-5, err
 
 
-def test_bf16_offload_keeps_only_half_params_on_the_device() -> None:
+def _bf16_offload_engine() -> Engine:
     cfg = config(2, precision="bf16")
-    cfg["precision"] = {"norms_fp32": False}
+    cfg["precision"] = {"norms_fp32": False}  # every parameter bf16: bytes per parameter exact
     torch.manual_seed(0)
-    engine = Engine(GPT(CFG), cfg, topology=Topology(0, 1, CUDA0))
+    return Engine(GPT(CFG), cfg, topology=Topology(0, 1, CUDA0))
+
+
+def test_bf16_offload_keeps_only_half_params_on_the_device() -> None:
+    engine = _bf16_offload_engine()
     x, y = batch(0, 0, 0, CUDA0)
     losses = []
     for _ in range(20):
@@ -266,3 +270,26 @@ def test_offloaded_masters_are_made_on_the_host_without_a_device_fp32_copy() -> 
     assert all(m.device.type == "cpu" for m in engine.zero.masters)
     assert offloaded <= plain - 3 * numel, (offloaded, plain, numel)
     engine.close()
+
+
+def test_a_precision_switch_with_offload_keeps_the_fp32_state_off_the_device() -> None:
+    # A switch re-lays the state out: the old layout's device buffers go before the new one is
+    # built, and the offloaded fp32 masters and moments never come to the device for it.
+    engine = _bf16_offload_engine()
+    x, y = batch(0, 0, 0, CUDA0)
+    engine.backward(engine(x, y))
+    engine.step()
+    torch.cuda.synchronize()
+    start = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    engine._switch_precision("fp16")
+    torch.cuda.synchronize()
+    n = sum(p.numel() for p in engine.module.parameters())
+    above = (torch.cuda.max_memory_allocated() - start) / n
+    print(f"device peak above the switch's start: {above:.2f} bytes per element")
+    assert above <= 2.5, above
+    assert engine.module.blocks[0].fc.weight.dtype == torch.float16
+    assert engine.optimizer.state[engine.zero.masters[0]]["exp_avg"].device.type == "cpu"
+    engine.backward(engine(x, y))
+    engine.step()
+    engine.destroy()

@@ -64,3 +64,25 @@ def test_training_goes_on_after_switches_both_ways() -> None:
     assert engine.base_dtype == "fp32" and engine.module.blocks[0].fc.weight.dtype == torch.float32
     assert engine.skipped_steps == 0 and engine.global_steps == 8
     assert losses[-1] < losses[0]
+
+
+def test_a_switch_lets_go_of_the_old_layouts_buffers() -> None:
+    # Built beside the old layout, the new one would double the device memory a switch needs:
+    # the old flat parameters, gradients (stage 1: .grad views of them), masters and moments
+    # must be unreachable once the switch is done.
+    import gc
+    import weakref
+
+    engine = make_engine([{"step": 2, "dtype": "bf16"}], stage=1)
+    train_step(engine, 0)  # the moments exist from here on
+    master = engine.zero.masters[0]
+    old = [engine.spaces[0].flat, engine.reducer.grads[0].flat_grad, master,
+           *(v for v in engine.optimizer.state[master].values() if torch.is_tensor(v) and v.dim())]
+    assert len(old) == 5  # flat, gradient, master, two moments
+    old = [weakref.ref(t) for t in old]
+    del master
+    train_step(engine, 1)  # the switch follows this step
+    assert engine.base_dtype == "bf16"
+    gc.collect()
+    assert [r() is None for r in old] == [True] * 5
+    train_step(engine, 2)

@@ -132,17 +132,15 @@ def snapshot_params(ts: TrainState, buffers: HostBuffers) -> Tuple[Tensors, List
                                for p in space.params if owner[names[id(p)]] == me])
     for space, tensors in per_space:
         keys = list(tensors)
-        for key in keys:  # the same order on every rank: full_flat is collective
-            full = relayout.full_flat(space, tensors[key], topo)
-            for p, off in space.param_offsets():
-                name, shape = names[id(p)], space.shapes[id(p)]
+        for key in keys:  # the same order on every rank: param_values is collective
+            for p, value in relayout.param_values(space, tensors[key], topo):
+                name = names[id(p)]
                 # collective over the tensor-parallel ranks for a split parameter
-                view = whole(name, full[off:off + shape.numel()].view(shape))
+                view = whole(name, value)
                 if owner[name] == me:
                     out[f"{name}/{key}"] = buffers.copy(f"{name}/{key}", view)
                 if key == "master" and owner[name] is not None:
                     index.append({"name": name, "shape": list(view.shape), "rank": owner[name], "keys": keys})
-            del full
     buffers.ready()
     if split is not None:
         index = merge_index(split.from_stages(index))

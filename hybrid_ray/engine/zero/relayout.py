@@ -7,7 +7,7 @@ scalar state such as Adam's step count is kept as is.
 """
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Dict, Iterator, List, Tuple
 
 import torch
 
@@ -18,29 +18,53 @@ from ..topology import Topology
 ParamState = Dict[int, Dict[str, torch.Tensor]]  # id(param) -> {"master": t, "exp_avg": t, ...}
 
 
-def full_flat(space: FlatSpace, shard: torch.Tensor, topo: Topology) -> torch.Tensor:
-    """The whole flat-sized tensor, from every rank's shard of it (one all-gather per bucket)."""
+def param_values(space: FlatSpace, shard: torch.Tensor,
+                 topo: Topology) -> Iterator[Tuple[torch.nn.Parameter, torch.Tensor]]:
+    """(parameter, its whole value) for every parameter of a space, from every rank's shard.
+
+    One bucket at a time: each bucket is all-gathered into one bucket-sized buffer on the
+    space's device, and its parameters' values are yielded as views of it, valid until the
+    iteration moves on (copy what you keep). So a save, a consolidation or a re-layout needs
+    one bucket of free device memory, not the whole space in fp32 (40 GB at 10B), and an
+    offloaded shard moves to the device a bucket at a time. With one shard (stage 0) the views
+    are of the shard itself.
+    """
     if space.num_shards == 1:
-        return shard
-    shard = shard.to(space.device)  # offloaded masters live on the host; NCCL gathers device tensors
-    full = torch.empty(space.numel, dtype=shard.dtype, device=space.device)
+        for p, off in space.param_offsets():
+            yield p, shard[off:off + space.shapes[id(p)].numel()].view(space.shapes[id(p)])
+        return
+    if not space.buckets:
+        return
+    largest = max(b.numel for b in space.buckets)
+    buf = torch.empty(largest, dtype=shard.dtype, device=space.device)
     for bucket, lo, hi, off in space.shard_slices():
-        comm.all_gather(full[bucket.start:bucket.start + bucket.numel], shard[off:off + hi - lo],
-                        group=topo.group)
-    return full
+        out = buf[:bucket.numel]
+        comm.all_gather(out, shard[off:off + hi - lo].to(space.device), group=topo.group)
+        for p, start in zip(bucket.params, bucket.offsets):
+            shape = space.shapes[id(p)]  # not p.shape: a released stage-3 parameter is empty
+            begin = start - bucket.start
+            yield p, out[begin:begin + shape.numel()].view(shape)
 
 
-def shard_from_params(space: FlatSpace, values: Dict[int, torch.Tensor]) -> torch.Tensor:
-    """This rank's fp32 shard of a space, filled from one full tensor per parameter."""
-    full = torch.zeros(space.numel, dtype=torch.float32, device=space.device)
-    for p, off in space.param_offsets():
-        full[off:off + space.shapes[id(p)].numel()].copy_(values[id(p)].reshape(-1))
-    return space.gather_shard(full)
+def shard_from_params(space: FlatSpace, values: Dict[int, torch.Tensor],
+                      device: torch.device) -> torch.Tensor:
+    """This rank's fp32 shard of a space on `device`, cut from one whole tensor per parameter
+    (wherever those live): only the parameters' pieces inside this rank's slices are copied."""
+    shard = torch.zeros(space.shard_numel, dtype=torch.float32, device=device)
+    for bucket, lo, hi, off in space.shard_slices():
+        for p, start in zip(bucket.params, bucket.offsets):
+            n = space.shapes[id(p)].numel()
+            a, b = max(start, lo), min(start + n, hi)
+            if a < b:
+                piece = values[id(p)].reshape(-1)[a - start:b - start]
+                shard[off + a - lo:off + b - lo].copy_(piece)
+    return shard
 
 
 def export_state(spaces: List[FlatSpace], masters: List[torch.Tensor],
                  optimizer: torch.optim.Optimizer, topo: Topology) -> ParamState:
-    """Full fp32 master and per-element optimizer state of every parameter (on its device)."""
+    """Full fp32 master and per-element optimizer state of every parameter, each where its
+    master lives (host memory for an offloaded space)."""
     out: ParamState = {}
     for space, master in zip(spaces, masters):
         tensors = {"master": master.detach()}
@@ -49,10 +73,9 @@ def export_state(spaces: List[FlatSpace], masters: List[torch.Tensor],
             value = state[key]
             if torch.is_tensor(value) and value.shape == master.shape:
                 tensors[key] = value
-        fulls = {key: full_flat(space, t, topo) for key, t in tensors.items()}
-        for p, off in space.param_offsets():
-            shape = space.shapes[id(p)]  # not p.shape: a released stage-3 parameter is empty
-            out[id(p)] = {key: f[off:off + shape.numel()].view(shape).clone() for key, f in fulls.items()}
+        for key, t in tensors.items():
+            for p, value in param_values(space, t, topo):
+                out.setdefault(id(p), {})[key] = value.to(t.device, copy=True)
     return out
 
 
@@ -71,13 +94,14 @@ def import_state(spaces: List[FlatSpace], masters: List[torch.nn.Parameter],
     for space, master in zip(spaces, masters):
         keys = set().union(*(state[id(p)].keys() for p in space.params)) if space.params else set()
         with torch.no_grad():
-            master.copy_(shard_from_params(space, {id(p): state[id(p)]["master"] for p in space.params}))
+            master.copy_(shard_from_params(space, {id(p): state[id(p)]["master"] for p in space.params},
+                                           master.device))
         # Partial offload: host and device masters each keep their scalars (Adam's step) where
         # their fused kernel reads them.
         entry = {k: (v.to(master.device, copy=True) if torch.is_tensor(v) else v) for k, v in scalars.items()}
         for key in sorted(keys - {"master"}):  # sorted: a set's order differs between processes
             values = {id(p): state[id(p)][key] for p in space.params}
-            entry[key] = shard_from_params(space, values).to(master.device)  # host when offloaded
+            entry[key] = shard_from_params(space, values, master.device)  # host when offloaded
         if len(entry) > len(scalars) or scalars:
             optimizer.state[master] = entry
 
@@ -102,20 +126,17 @@ def consolidated_state_dict(module: torch.nn.Module, spaces: List[FlatSpace],
                             rank0_only: bool = True) -> Dict[str, torch.Tensor]:
     """The whole model's state (parameters from the fp32 masters, plus buffers) on the CPU.
 
-    Space by space: every rank all-gathers one space's master at a time, so no rank ever holds
-    more than one space in full on its device; the result accumulates in host memory on rank 0
+    Bucket by bucket: every rank all-gathers one bucket of masters at a time, so no rank holds
+    more than one bucket in full on its device; the result accumulates in host memory on rank 0
     (on every rank with rank0_only=False). Tied parameters appear under each of their names, as
     in `module.state_dict()`.
     """
     keep = topo.rank == 0 or not rank0_only
     values: Dict[int, torch.Tensor] = {}
     for space, master in zip(spaces, masters):
-        full = full_flat(space, master.detach(), topo)
-        if keep:
-            for p, off in space.param_offsets():
-                shape = space.shapes[id(p)]
-                values[id(p)] = full[off:off + shape.numel()].view(shape).to("cpu", dtype)
-        del full
+        for p, value in param_values(space, master.detach(), topo):
+            if keep:
+                values[id(p)] = value.to("cpu", dtype, copy=True)
     if not keep:
         return {}
     out: Dict[str, torch.Tensor] = {}
