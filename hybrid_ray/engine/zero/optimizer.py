@@ -28,11 +28,12 @@ import torch.distributed as dist
 from .. import comm
 from .backward_step import BackwardStep
 from .flat import FlatSpace
-from .frozen import FrozenStep, OptimizerMomentum, check_freezable, step_frozen_variance
+from .frozen import FrozenStep, OptimizerMomentum, check_freezable
 from .norms import square_sum as _square_sum
 from .offload import frozen_hyperparameters
 from .overlap import ParamGatherOverlap
 from .reducer import GradReducer
+from .update import step_masters
 from ..topology import Topology
 
 
@@ -369,23 +370,6 @@ class ZeroOptimizer:
             self.offload.upload(dst, src)
         else:
             dst.copy_(src)
-
-
-def step_masters(masters: List[torch.Tensor], grads: List[torch.Tensor], coef: float,
-                 optimizer: torch.optim.Optimizer, frozen: Optional[FrozenStep] = None) -> None:
-    """Scale the gradients by `coef` (unscale and clip, in place) and step `optimizer` over the
-    masters with them (`frozen`: Adam's variance left as it is, frozen.py). Replicas in replay
-    mode step a buddy's copy with this same function, so that copy and shard stay bitwise equal
-    where the kernel is the same."""
-    with torch.no_grad():
-        torch._foreach_mul_(grads, coef)
-    for master, grad in zip(masters, grads):
-        master.grad = grad
-    try:
-        step_frozen_variance(optimizer, *frozen) if frozen is not None else optimizer.step()
-    finally:
-        for master in masters:
-            master.grad = None
 
 
 def _param_bytes(space: FlatSpace) -> int:
