@@ -66,6 +66,8 @@ def parse() -> argparse.Namespace:
                    help="hybrid: buddy replicas, a copy every this many steps (0: none)")
     p.add_argument("--replay", action="store_true",
                    help="hybrid with --replicas 1: fault_tolerance.mode replay (the buddy steps its copy)")
+    p.add_argument("--replay-on", choices=("host", "device"), default="host",
+                   help="with --replay: fault_tolerance.replay_on (where the buddy keeps and steps its copy)")
     p.add_argument("--delayed-update", action="store_true",
                    help="hybrid with --offload: delayed parameter update (one-step-stale parameters)")
     p.add_argument("--overlap-step", action="store_true",
@@ -140,12 +142,12 @@ def _hybrid_step(a: argparse.Namespace, model: nn.Module) -> Callable:
     if a.norm_activations:
         cfg["precision"] = {"norm_activations": a.norm_activations}
     if a.replicas:
-        cfg["fault_tolerance"] = {"replicas": 1, "mode": "replay"} if a.replay else \
+        cfg["fault_tolerance"] = {"replicas": 1, "mode": "replay", "replay_on": a.replay_on} if a.replay else \
             {"replicas": 1, "copy_interval": a.replicas}
     engine, _, _, _ = hybrid_ray.initialize(model, config=cfg)
     if a.replicas and a.replay and engine.topology.world_size == 1:  # no buddy: stand in for one
         from replay_loop import loopback_buddy
-        loopback_buddy(engine)
+        loopback_buddy(engine, on_device=a.replay_on == "device")
     if a.impl == "hybrid-pipe":
         # train_batch over one micro-batch (gradient_accumulation_steps 1): the loss is the
         # PipelineModule's loss_fn of its output, as a pipelined script trains
@@ -235,6 +237,7 @@ def measure(a: argparse.Namespace) -> None:
                peak_mem_gb=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
                loss=round(loss.item(), 3), norm_activations=a.norm_activations if sharded else None,
                replicas=a.replicas if a.impl == "hybrid" else 0, replay=bool(a.replay and a.replicas),
+               replay_on=a.replay_on if a.replay and a.replicas else None,
                offload_ratio=a.offload_ratio if a.offload and a.impl == "hybrid" else None,
                overlap_step=a.overlap_step and a.offload and a.impl == "hybrid")
     if rank == 0:
@@ -317,6 +320,7 @@ def _launch(a: argparse.Namespace, spec: dict, nproc: int, gpu: bool) -> Optiona
             *(["--compile-head"] if spec.get("compile_head") else []),
             *(["--overlap-gather"] if spec.get("overlap_gather") else []),
             "--replicas", str(spec.get("replicas", 0)), *(["--replay"] if spec.get("replay") else []),
+            *(["--replay-on", spec["replay_on"]] if "replay_on" in spec else []),
             "--dtype", a.dtype or ("bf16" if gpu else "fp32"), "--mbs", str(a.mbs or (8 if gpu else 4)),
             "--steps", str(a.steps or (30 if gpu else 10)), "--warmup", str(a.warmup or (8 if gpu else 3)),
             "--bucket", str(spec.get("bucket", a.bucket)), "--peak", str(a.peak)]
@@ -355,6 +359,7 @@ def print_table(results: List[dict], baseline: Optional[str] = None, settings: O
         name += (" compiled+head" if r.get("compile_head") else " compiled") if r.get("compile") else ""
         name += f" overlap-gather/{r['bucket']:.0e}" if r.get("overlap_gather") else ""
         name += (" replay" if r.get("replay") else f" replicas/{r['replicas']}") if r.get("replicas") else ""
+        name += " on device" if r.get("replay_on") == "device" else ""
         mfu = f"{r['mfu'] * 100:.1f}%" if r["mfu"] is not None else "-"
         mem = r["peak_mem_gb"] if r["peak_mem_gb"] is not None else "-"
         print(f"{name:<30}{r['tok_s_gpu']:>14,}{r['tok_s_gpu'] / base['tok_s_gpu']:>8.3f}"

@@ -29,9 +29,11 @@ SUITES: Dict[str, List[dict]] = {
     # this times the device-to-host copy; on the CPU suite two ranks also exchange their copies.
     "replicas-gpu1": [dict(impl="hybrid", stage=2), dict(impl="hybrid", stage=2, replicas=1),
                       dict(impl="hybrid", stage=2, replicas=4), dict(impl="hybrid", stage=2, replicas=16)],
-    # Replay at one GPU: a buddy in the same process (jobs/replay_loop.py) steps a host copy.
+    # Replay at one GPU: a buddy in the same process (jobs/replay_loop.py) steps a host copy,
+    # or (replay_on device) a copy on the GPU with the owner's fused kernel on a side stream.
     "replay-gpu1": [dict(impl="hybrid", stage=2), dict(impl="hybrid", stage=2, replicas=1),
-                    dict(impl="hybrid", stage=2, replicas=1, replay=True)],
+                    dict(impl="hybrid", stage=2, replicas=1, replay=True),
+                    dict(impl="hybrid", stage=2, replicas=1, replay=True, replay_on="device")],
     "replicas-cpu": [dict(impl="hybrid", stage=2), dict(impl="hybrid", stage=2, replicas=1),
                      dict(impl="hybrid", stage=2, replicas=4), dict(impl="hybrid", stage=2, replicas=1, replay=True)],
     # Blocks compiled (torch.compile per block, inductor): the engine against compiled torch.

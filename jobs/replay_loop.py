@@ -17,8 +17,10 @@ from typing import Any, Dict
 from hybrid_ray.engine.replicas import replay, snapshot
 
 
-def loopback_buddy(engine: Any) -> Dict[str, Any]:
-    """Wrap `engine`'s update with a buddy in this process; the stand-in's state (its pool)."""
+def loopback_buddy(engine: Any, on_device: bool = False) -> Dict[str, Any]:
+    """Wrap `engine`'s update with a buddy in this process; the stand-in's state (its pool).
+    on_device (replay_on device): the copy lies where the masters lie, the gradient stays there
+    (the ring sends it over NCCL), and the copy steps with the owner's kernel on its own stream."""
     apply = engine.zero.apply
     box: Dict[str, Any] = {"pool": cf.ThreadPoolExecutor(1, thread_name_prefix="loopback-buddy")}
 
@@ -28,16 +30,19 @@ def loopback_buddy(engine: Any) -> Dict[str, Any]:
             fut.result()  # the buddy applied the last step before this one is sent
         stepper = box.get("stepper")
         if update is not None and stepper is not None:
-            grads = [g.detach().to("cpu", copy=True) for g in update.grads]  # as the ring sends them
+            # as the ring sends them: over NCCL on the device, or to the host for gloo
+            grads = [g.detach().clone() if on_device else g.detach().to("cpu", copy=True) for g in update.grads]
             pending = replay.Pending(engine.global_steps, grads, update.coef,
                                      replay.hyperparameters(update.optimizer), b"",
                                      tuple(update.frozen) if update.frozen is not None else None)
+            pending.mark_arrived()
             box["fut"] = box["pool"].submit(stepper.apply, pending)
         apply(update)
         if stepper is None and engine.optimizer.state:  # the base: once the optimizer has state
             ts = engine.train_state()
-            copy = [{k: t.detach().cpu().clone() for k, t in ts_.items()} for ts_ in snapshot.shard_tensors(ts)]
-            box["stepper"] = replay.Stepper(replay.optimizer_spec(ts), copy)
+            copy = [{k: (t.detach().clone() if on_device else t.detach().cpu().clone()) for k, t in ts_.items()}
+                    for ts_ in snapshot.shard_tensors(ts)]
+            box["stepper"] = replay.Stepper(replay.optimizer_spec(ts), copy, owners_kernel=on_device)
 
     engine.zero.apply = mirrored
     return box

@@ -20,6 +20,13 @@ class FaultToleranceConfig:
     background (host memory: up to four shard copies per rank). replay: each step's reduced
     gradient shard is sent before the update and the buddy applies the same optimizer step to
     its copy (one shard copy per rank; bitwise equal when both step on the CPU)."""
+    replay_on: str = checked("host", choices=("host", "device"))
+    """Mode replay: where the buddy keeps and steps its copy. host: in host memory with the
+    CPU's optimizer (bitwise equal to a CPU or offloaded owner; on a GPU the CPU step is the
+    bottleneck). device: where the owner's masters lie (the GPU; host memory for offloaded
+    spaces), stepped with the owner's kernel on a side stream, the gradients sent over the
+    training group (NCCL): 16/N bytes per parameter more device memory (the copy and one
+    step's gradient), and one optimizer step over 1/N of the parameters per step."""
     copy_interval: int = checked(1, ge=1)
     """Steps between copies (mode copy): a recovery redoes at most this many steps."""
     spare_workers: int = checked(0, ge=0)
@@ -30,6 +37,9 @@ class FaultToleranceConfig:
     """Seconds a copy waits for its buddy before the exchange counts as failed."""
 
     def validate(self, path: str) -> None:
+        if self.replay_on != "host" and self.mode != "replay":
+            raise config_error(f"{path}.replay_on", "applies to mode 'replay' only", self.replay_on,
+                               "leave it at 'host' or set mode 'replay'")
         if self.mode == "replay" and self.copy_interval != 1:
             raise config_error(f"{path}.copy_interval", "applies to mode 'copy' only (replay sends every "
                                "step)", self.copy_interval, "leave it at 1 or use mode 'copy'")

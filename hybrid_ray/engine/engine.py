@@ -303,7 +303,7 @@ class Engine(EngineLifecycle, EngineState, DeepSpeedAccessors, PipelineBatches):
         rank's state after the step is known), then the exchange with the buddy and its commit,
         then the update and the capture of the live state, and only then a collective (the
         parameters' all-gather) that a lost peer can break."""
-        self.replicas.start_gradients(self.reducer.master_grads())  # overlaps the decision
+        self.replicas.start_gradients(self.reducer.master_grads(), self.topology.group)  # overlaps the decision
         self._last, update = self.zero.prepare(self._scaler.loss_scale, self.config.gradient_clipping)
         self._close_step()
         self.replicas.replay_step(update, self.global_steps, self._rank_state)

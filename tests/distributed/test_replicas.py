@@ -210,6 +210,7 @@ def test_recovery_keeps_offload_compression_and_precision_state(tmp_path: Path, 
 
 
 REPLAY = {"fault_tolerance": {"mode": "replay"}}
+ON_DEVICE = {"fault_tolerance": {"mode": "replay", "replay_on": "device"}}
 
 
 @pytest.mark.parametrize("stage,kill,extra", [
@@ -217,9 +218,11 @@ REPLAY = {"fault_tolerance": {"mode": "replay"}}
     (2, (4, "backward"), {**OFFLOAD, **REPLAY}), (2, (3, "committed"), {**TOPK, **REPLAY}),
     (2, (5, "backward"), {**FP16_THEN_FP32, **REPLAY}),
     (3, (3, "committed"), {"zero_optimization": {"offload_optimizer": {"device": "cpu", "ratio": 0.5}}, **REPLAY}),
-    (2, (5, "committed"), {**ONEBIT, **REPLAY})],
+    (2, (5, "committed"), {**ONEBIT, **REPLAY}), (2, (3, "committed"), ON_DEVICE),
+    (3, (4, "backward"), {"zero_optimization": {"offload_optimizer": {"device": "cpu", "ratio": 0.5}}, **ON_DEVICE})],
     ids=["stage1", "stage2", "stage3-committed", "offload", "topk-committed", "fp16-schedule",
-         "stage3-partial-offload-committed", "onebit-committed"])
+         "stage3-partial-offload-committed", "onebit-committed", "on-device-committed",
+         "on-device-stage3-partial-offload"])
 def test_replay_mode_rebuilds_a_killed_rank_from_the_copy_its_buddy_stepped(
         tmp_path: Path, stage: int, kill: tuple, extra: dict) -> None:
     # The buddy's copy was never sent whole after the first step: it was stepped with the
@@ -261,7 +264,15 @@ def buddy_copies(rank: int, world: int, out: str, mode: str, compression: str = 
     from hybrid_ray.engine.replicas import KEEPER
 
     gc = ONEBIT["gradient_compression"] if compression == "onebit" else {"type": "topk", "topk_ratio": 0.2}
-    e = engine(2, {"gradient_compression": gc, "fault_tolerance": {"mode": mode}})
+    ft = {"mode": "replay", "replay_on": "device"} if mode == "replay-on-device" else {"mode": mode}
+    e = engine(2, {"gradient_compression": gc, "fault_tolerance": ft})
+    carriers, batch = [], dist.batch_isend_irecv
+
+    def recording(ops):  # which group carried the gradient shards (tags from 1000 on)
+        carriers.extend(op.group for op in ops if op.tag >= 1000)
+        return batch(ops)
+
+    dist.batch_isend_irecv = recording
     while e.global_steps < STEPS:
         train_one(e)
         e.replicas.wait()  # the exchange of this step has committed (replay: and been applied)
@@ -275,10 +286,15 @@ def buddy_copies(rank: int, world: int, out: str, mode: str, compression: str = 
         assert held.rank == (rank - 1) % world and len(held.tensors) == 1
         assert torch.equal(copy, everyone[(rank - 1) % world]), e.global_steps
         assert sorted(KEEPER.own) == [e.global_steps] and sorted(KEEPER.held) == [e.global_steps]
+    dist.batch_isend_irecv = batch
+    if mode != "copy":  # replay on the device: over the training group, not the ring's
+        want = e.topology.group if mode == "replay-on-device" else e.replicas.group
+        assert carriers and all(g is want for g in carriers), (mode, len(carriers))
     e.destroy()
 
 
-@pytest.mark.parametrize("mode,compression", [("copy", "topk"), ("replay", "topk"), ("replay", "onebit")])
+@pytest.mark.parametrize("mode,compression", [("copy", "topk"), ("replay", "topk"), ("replay", "onebit"),
+                                              ("replay-on-device", "topk")])
 def test_the_buddys_copy_equals_the_owners_shard_after_every_step(tmp_path: Path, mode: str, compression: str) -> None:
     # onebit: after its warm-up the buddy steps its copy with the averaged momentum and the
     # variance frozen, as the owner does

@@ -62,6 +62,50 @@ def test_replay_on_the_host_follows_the_device_update() -> None:
     e.destroy()
 
 
+@pytest.mark.parametrize("offload", [None, {"device": "cpu", "ratio": 0.5}, {"device": "cpu"}],
+                         ids=["device-masters", "half-offloaded", "offloaded-masters"])
+def test_replay_on_the_device_steps_the_copy_bitwise_as_the_owner(offload) -> None:
+    # replay_on device, with a stand-in buddy (one rank): the copy lies where each master lies,
+    # steps with the owner's kernel on its own stream in another thread, after the event that
+    # marks the gradients' arrival, and equals the owner's shard bit for bit after every step.
+    import concurrent.futures as cf
+
+    from hybrid_ray.engine.replicas import replay, snapshot
+
+    zero = {"stage": 2, **({"offload_optimizer": offload} if offload else {})}
+    e = engine({"bf16": {"enabled": True}, "zero_optimization": zero,
+                "fault_tolerance": {"replicas": 1, "mode": "replay", "replay_on": "device"}})
+    e.backward(e(*batch(0)))
+    e.step()
+    ts = e.train_state()
+    copy = [{k: t.detach().clone() for k, t in ts_.items()} for ts_ in snapshot.shard_tensors(ts)]
+    assert [c["master"].device for c in copy] == [m.device for m in e.zero.masters]
+    stepper = replay.Stepper(replay.optimizer_spec(ts), copy, owners_kernel=True)
+    assert stepper.stream is not None or offload == {"device": "cpu"}
+    pool, apply, futures = cf.ThreadPoolExecutor(1), e.zero.apply, []
+
+    def mirrored(update):
+        if update is not None:  # what the buddy receives: the shard before the owner scales it
+            grads = [g.detach().clone() for g in update.grads]
+            pending = replay.Pending(e.global_steps, grads, update.coef, replay.hyperparameters(update.optimizer), b"")
+            pending.mark_arrived()
+            futures.append(pool.submit(stepper.apply, pending))
+        apply(update)
+    e.zero.apply = mirrored
+    try:
+        for step in range(1, 5):
+            e.backward(e(*batch(step)))
+            e.step()
+            futures.pop().result()
+            torch.cuda.synchronize()
+            for master, held in zip(e.zero.masters, copy):
+                assert torch.equal(master.detach(), held["master"]), step
+                assert torch.equal(e.optimizer.state[master]["exp_avg_sq"], held["exp_avg_sq"]), step
+    finally:
+        pool.shutdown()
+        e.destroy()
+
+
 @pytest.mark.parametrize("extra", [{}, {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}],
                          ids=["device-masters", "offloaded-masters"])
 def test_copies_into_a_spares_shared_slots_equal_each_steps_shard(extra) -> None:

@@ -63,6 +63,46 @@ def test_the_buddys_optimizer_steps_its_copy_bitwise_as_the_owner_steps_the_shar
     assert opt.param_groups[0]["lr"] != hyper[0]["lr"]  # the schedule did move: the step used the frozen lr
 
 
+def test_on_the_owners_kernel_the_copy_keeps_a_foreach_owners_implementation_and_stays_equal() -> None:
+    # replay_on device: the copy steps as the owner does (here foreach, where the host copy
+    # would take the fused CPU kernel), so it stays bitwise equal to a foreach owner.
+    torch.manual_seed(0)
+    masters = [torch.nn.Parameter(torch.randn(300)), torch.nn.Parameter(torch.randn(70))]
+    opt = torch.optim.AdamW(masters, lr=1e-2, weight_decay=0.1, foreach=True)
+    gen = torch.Generator().manual_seed(1)
+    for m in masters:
+        m.grad = torch.randn(m.shape, generator=gen)
+    opt.step()
+    copy = [{"master": m.detach().clone(), **{k: v.clone() for k, v in sorted(opt.state[m].items())
+                                               if v.shape == m.shape}} for m in masters]
+    stepper = Stepper(spec_of(masters, opt), copy, owners_kernel=True)
+    assert stepper.optimizer.param_groups[0]["foreach"] is True
+    assert not stepper.optimizer.param_groups[0].get("fused")
+    assert stepper.stream is None  # host tensors: stepped on the calling thread
+    for i in range(3):
+        grads = [torch.randn(m.shape, generator=gen) for m in masters]
+        sent = [g.clone() for g in grads]
+        hyper = hyperparameters(opt)
+        torch._foreach_mul_(grads, 0.5)
+        for m, g in zip(masters, grads):
+            m.grad = g
+        opt.step()
+        stepper.apply(Pending(i + 2, sent, 0.5, hyper, b""))
+        for m, c in zip(masters, copy):
+            assert torch.equal(m.detach(), c["master"]) and torch.equal(opt.state[m]["exp_avg"], c["exp_avg"]), i
+
+
+def test_replay_on_outside_replay_mode_is_refused_naming_the_key() -> None:
+    import pytest
+
+    from hybrid_ray.config import ConfigError, load_config
+    with pytest.raises(ConfigError, match=r"fault_tolerance\.replay_on: applies to mode 'replay' only"):
+        load_config({"train_batch_size": 2, "fault_tolerance": {"replicas": 1, "replay_on": "device"}})
+    cfg = load_config({"train_batch_size": 2,
+                       "fault_tolerance": {"replicas": 1, "mode": "replay", "replay_on": "device"}})
+    assert cfg.fault_tolerance.replay_on == "device"
+
+
 def test_a_frozen_view_steps_with_the_frozen_lr_even_under_a_scheduler() -> None:
     # An LR scheduler binds a wrapper of `step` to the optimizer instance: a view copying the
     # instance's attributes stepped the live groups, i.e. the next step's lr.

@@ -24,7 +24,7 @@ import torch
 from ..checkpoint.state import TrainState
 from ..zero.frozen import FrozenStep
 from ..zero.offload import cpu_optimizer_kwargs
-from ..zero.optimizer import step_masters
+from ..zero.update import step_masters
 from ..zero.relayout import scalar_state
 from . import snapshot as snap
 
@@ -42,6 +42,14 @@ class Pending:
     hyper: Optional[List[dict]]  # per optimizer group, without its params
     part: bytes  # the rank's own state after the step (snapshot.Snapshot.rank_part)
     frozen: Optional[tuple] = None  # 1-bit Adam after its warm-up: the step's FrozenStep fields
+    arrived: Any = None  # gradients received on a GPU: the CUDA event after which they are there
+
+    def mark_arrived(self) -> None:
+        """Record, on the receiving thread's stream, that the gradients have arrived: the
+        buddy steps its copy on a stream of its own, which waits for this event."""
+        if self.grads and any(g.is_cuda for g in self.grads):
+            self.arrived = torch.cuda.Event()
+            self.arrived.record()
 
 
 def hyperparameters(optimizer: torch.optim.Optimizer) -> List[dict]:
@@ -61,31 +69,44 @@ def optimizer_spec(ts: TrainState) -> dict:
 
 
 class Stepper:
-    """The optimizer over a held copy's tensors (host memory), built from the owner's spec."""
+    """The optimizer over a held copy's tensors, built from the owner's spec.
 
-    def __init__(self, spec: dict, tensors: List[snap.Tensors]):
+    owners_kernel=False: the copy is in host memory and steps with the CPU's fastest kernel.
+    True (`replay_on: device`): each tensor lies where the owner's master does, and the copy
+    steps with the owner's own implementation flags (fused or foreach, on the owner's device),
+    on a CUDA stream of its own when on a GPU, so it stays bitwise equal to the owner's shard.
+    """
+
+    def __init__(self, spec: dict, tensors: List[snap.Tensors], owners_kernel: bool = False):
         module, name = spec["cls"]
         cls: Any = importlib.import_module(module)
         for part in name.split("."):
             cls = getattr(cls, part)
-        impl = cpu_optimizer_kwargs(cls)
+        impl = {} if owners_kernel else cpu_optimizer_kwargs(cls)
         self.params = [torch.nn.Parameter(t["master"], requires_grad=True) for t in tensors]
+        self.stream = torch.cuda.Stream() if any(p.is_cuda for p in self.params) else None
         groups: List[dict] = []
+        kept = () if owners_kernel else _IMPLEMENTATION
         for i, hyper in enumerate(spec["groups"]):
-            own = {k: v for k, v in hyper.items() if k not in _IMPLEMENTATION}
-            if "fused" in hyper or "foreach" in hyper:
+            own = {k: v for k, v in hyper.items() if k not in kept}
+            if not owners_kernel and ("fused" in hyper or "foreach" in hyper):
                 own.update(fused=impl.get("fused"), foreach=impl.get("foreach"))
             own["params"] = [p for p, g in zip(self.params, spec["space_group"]) if g == i]
             groups.append(own)
         accepted = inspect.signature(cls.__init__).parameters
-        kwargs = {k: v for k, v in spec["defaults"].items() if k in accepted and k not in _IMPLEMENTATION}
+        kwargs = {k: v for k, v in spec["defaults"].items() if k in accepted and k not in kept}
         self.optimizer = cls([g for g in groups if g["params"]], **kwargs)
         self._groups = [g for g in groups if g["params"]]
         self._group_index = [i for i, g in enumerate(groups) if g["params"]]
-        for p, t in zip(self.params, tensors):
+        for p, t, g in zip(self.params, tensors, spec["space_group"]):
             state = {k: v for k, v in t.items() if k != "master"}
             if state:  # the optimizer has stepped: its scalars (Adam's step) go with the moments
-                state.update({k: (v.clone() if torch.is_tensor(v) else v) for k, v in spec["scalars"].items()})
+                # where torch's Adam keeps its step count: on the parameter's device for the
+                # fused and capturable kernels, on the CPU otherwise
+                hyper = spec["groups"][g] if owners_kernel else {}
+                where = p.device if hyper.get("fused") or hyper.get("capturable") else torch.device("cpu")
+                state.update({k: (v.to(where, copy=True) if torch.is_tensor(v) else v)
+                              for k, v in spec["scalars"].items()})
                 self.optimizer.state[p] = state
 
     def apply(self, pending: Pending) -> None:
@@ -95,7 +116,16 @@ class Stepper:
         for group, i in zip(self._groups, self._group_index):
             group.update({k: v for k, v in pending.hyper[i].items() if k not in _IMPLEMENTATION})
         frozen = FrozenStep(*pending.frozen) if pending.frozen is not None else None
-        step_masters(self.params, pending.grads, pending.coef, self.optimizer, frozen)
+        if self.stream is None:
+            step_masters(self.params, pending.grads, pending.coef, self.optimizer, frozen)
+            return
+        # Off the training stream, after the gradients arrived; finished before this returns,
+        # so that a recovery reading the copy (under the keeper's lock) sees the whole step.
+        with torch.cuda.stream(self.stream):
+            if pending.arrived is not None:
+                self.stream.wait_event(pending.arrived)
+            step_masters(self.params, pending.grads, pending.coef, self.optimizer, frozen)
+        self.stream.synchronize()
 
 
 def header(step: int, coef: float, hyper: Optional[List[dict]], part: bytes,

@@ -52,6 +52,9 @@ class Replicator:
         # group, whose release is what tells the other ranks (cluster/worker.py _leave).
         self.settings, self.keeper = settings, keeper
         self.replay = settings.mode == "replay"
+        # replay_on device: the copy lies where the owner's masters lie and steps with the
+        # owner's kernel; device gradients travel over the training group (replay.py)
+        self.on_device = self.replay and settings.replay_on == "device"
         self._based = False  # replay: the buddy holds this rank's shard in the current layout
         self._grads_in_flight: Optional[tuple] = None  # replay: (works, receive buffers) of this step
         self._rank_cache: Optional[tuple] = None  # replay: (step, the rank state sent with it)
@@ -162,9 +165,11 @@ class Replicator:
         if rebase:
             host = [{k: t.to("cpu", copy=True) for k, t in ts_.items()} for ts_ in live.tensors]
             base = snap.Snapshot(step, self.rank, self.world, host, small, self.run)
-            self._inflight = self._pool.submit(self._send_base, base)
+            # the buddy's layout is this rank's: its space i lies where this rank's does
+            devices = [m.device for m in ts.masters] if self.on_device else None
+            self._inflight = self._pool.submit(self._send_base, base, devices)
 
-    def _send_base(self, base: snap.Snapshot) -> None:
+    def _send_base(self, base: snap.Snapshot, devices: Optional[List[torch.device]] = None) -> None:
         if self.group is None:
             self.keeper.commit(base.step, self.token)
             self._based = True
@@ -173,16 +178,19 @@ class Replicator:
         recv = snap.empty_like(base.tensors, False)
         small_in = self._swap_bytes(base.small, nxt, prev, [t for ts in base.tensors for t in ts.values()],
                                     [t for ts in recv for t in ts.values()])
+        if devices is not None:
+            recv = [{k: t.to(d) for k, t in ts_.items()} for ts_, d in zip(recv, devices)]
         held = snap.Snapshot(base.step, prev, self.world, recv, small_in, base.run)
-        held.stepper = replay.Stepper(snap.parse_small(small_in).stepper, recv)
+        held.stepper = replay.Stepper(snap.parse_small(small_in).stepper, recv, owners_kernel=devices is not None)
         self.keeper.put_held(held, self.token)
         self._commit(base.step)
         self._based = True
 
-    def start_gradients(self, grads: List[torch.Tensor]) -> None:
+    def start_gradients(self, grads: List[torch.Tensor], training: Optional[dist.ProcessGroup] = None) -> None:
         """At the window's end, before the step's decision: start sending this rank's reduced
         gradient shards to the buddy and receiving its predecessor's, so that the transfer
-        overlaps the global norm and the bookkeeping. replay_step finishes it."""
+        overlaps the global norm and the bookkeeping. replay_step finishes it. `training`: the
+        training group, which carries the shards that stay on the device (replay_on device)."""
         self._grads_in_flight = None
         if not self.replay or self.group is None:
             return
@@ -190,13 +198,26 @@ class Replicator:
         if not self._based:
             return
         nxt, prev = (self.rank + 1) % self.world, (self.rank - 1) % self.world
-        out = [g.detach().to("cpu") for g in grads]
+        carriers = [self._carrier(g, training) for g in grads]
+        out = [g.detach() if c is not self.group else g.detach().to("cpu") for g, c in zip(grads, carriers)]
         got = [torch.empty_like(g) for g in out]
-        ops = [dist.P2POp(dist.isend, t, group=self.group, group_peer=nxt, tag=_GRAD_TAG + i)
-               for i, t in enumerate(out)]
-        ops += [dist.P2POp(dist.irecv, t, group=self.group, group_peer=prev, tag=_GRAD_TAG + i)
-                for i, t in enumerate(got)]
-        self._grads_in_flight = (dist.batch_isend_irecv(ops), got)
+        works = []
+        for carrier in {id(c): c for c in carriers}.values():  # one batch per group
+            mine = [i for i, c in enumerate(carriers) if c is carrier]
+            ops = [dist.P2POp(dist.isend, out[i], group=carrier, group_peer=nxt, tag=_GRAD_TAG + i) for i in mine]
+            ops += [dist.P2POp(dist.irecv, got[i], group=carrier, group_peer=prev, tag=_GRAD_TAG + i)
+                    for i in mine]
+            works += dist.batch_isend_irecv(ops)
+        self._grads_in_flight = (works, got)
+
+    def _carrier(self, t: torch.Tensor, training: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGroup]:
+        """The group a gradient shard travels over: the training group when the copy is kept on
+        the device and that group's backend moves tensors of this device (NCCL for a GPU's, gloo
+        for the CPU's; "cpu:gloo,cuda:nccl" both), else the ring's gloo group via host memory."""
+        if not self.on_device or training is None:
+            return self.group
+        backend = str(dist.get_backend(training)).lower()
+        return training if ("nccl" if t.is_cuda else "gloo") in backend else self.group
 
     def replay_step(self, update: Any, step: int, rank_state: Callable[[], dict]) -> None:
         """Before the update of `step`: the reduced gradient shard (None: an overflow skipped the
@@ -231,7 +252,9 @@ class Replicator:
         for work in flight[0]:
             work.wait()
         # An overflow is agreed by every rank: the gradients went anyway, and are not applied.
-        self.keeper.set_pending(replay.pending_from(header_in, flight[1] if applied else None), self.token)
+        pending = replay.pending_from(header_in, flight[1] if applied else None)
+        pending.mark_arrived()  # after the waits: on a GPU the receives are ordered before it
+        self.keeper.set_pending(pending, self.token)
         self._commit(step)
         self._inflight = self._pool.submit(self.keeper.advance)
 
@@ -290,6 +313,7 @@ class Replicator:
                 self.wait()
             except ReplicaError as e:
                 log.warning("%s", e)
+        self._grads_in_flight = None  # receive buffers of a step that will not be applied
         self._pool.shutdown(wait=False)
 
     # ---- the exchange thread -----------------------------------------------------------
