@@ -68,6 +68,8 @@ def parse() -> argparse.Namespace:
                    help="hybrid with --replicas 1: fault_tolerance.mode replay (the buddy steps its copy)")
     p.add_argument("--replay-on", choices=("host", "device"), default="host",
                    help="with --replay: fault_tolerance.replay_on (where the buddy keeps and steps its copy)")
+    p.add_argument("--activation-checkpointing", action="store_true",
+                   help="hybrid: activation_checkpointing.enabled (each transformer block recomputed in backward)")
     p.add_argument("--delayed-update", action="store_true",
                    help="hybrid with --offload: delayed parameter update (one-step-stale parameters)")
     p.add_argument("--overlap-step", action="store_true",
@@ -132,6 +134,8 @@ def _hybrid_step(a: argparse.Namespace, model: nn.Module) -> Callable:
            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}},
            "zero_optimization": {"stage": a.stage, "reduce_bucket_size": int(a.bucket),
                                  "overlap_param_gather": a.overlap_gather}}
+    if a.activation_checkpointing:
+        cfg["activation_checkpointing"] = {"enabled": True}
     if a.offload:
         cfg["zero_optimization"]["offload_optimizer"] = {
             "device": "cpu", "pin_memory": True, "delayed_param_update": a.delayed_update,
@@ -238,6 +242,7 @@ def measure(a: argparse.Namespace) -> None:
                loss=round(loss.item(), 3), norm_activations=a.norm_activations if sharded else None,
                replicas=a.replicas if a.impl == "hybrid" else 0, replay=bool(a.replay and a.replicas),
                replay_on=a.replay_on if a.replay and a.replicas else None,
+               act_ckpt=a.activation_checkpointing and a.impl == "hybrid",
                offload_ratio=a.offload_ratio if a.offload and a.impl == "hybrid" else None,
                overlap_step=a.overlap_step and a.offload and a.impl == "hybrid")
     if rank == 0:
@@ -315,6 +320,7 @@ def _launch(a: argparse.Namespace, spec: dict, nproc: int, gpu: bool) -> Optiona
             *(["--offload"] if spec.get("offload") else []),
             *(["--offload-ratio", str(spec["offload_ratio"])] if "offload_ratio" in spec else []),
             *(["--delayed-update"] if spec.get("delayed") else []),
+            *(["--activation-checkpointing"] if spec.get("act_ckpt") else []),
             *(["--overlap-step"] if spec.get("overlap_step") else []),
             *(["--compile"] if spec.get("compile") else []),
             *(["--compile-head"] if spec.get("compile_head") else []),
@@ -356,6 +362,7 @@ def print_table(results: List[dict], baseline: Optional[str] = None, settings: O
         name += " overlap-step" if r.get("overlap_step") else ""
         name += f" ratio {r['offload_ratio']}" if r.get("offload_ratio") not in (None, "1.0") else ""
         name += " half-norm" if r.get("norm_activations") == "half" else ""
+        name += " act-ckpt" if r.get("act_ckpt") else ""
         name += (" compiled+head" if r.get("compile_head") else " compiled") if r.get("compile") else ""
         name += f" overlap-gather/{r['bucket']:.0e}" if r.get("overlap_gather") else ""
         name += (" replay" if r.get("replay") else f" replicas/{r['replicas']}") if r.get("replicas") else ""

@@ -41,7 +41,9 @@ GPT_SIZES: Dict[str, GPTConfig] = {
     # Between and beyond those, to find the largest model each offload trains on one GPU.
     "3.8b": GPTConfig(32, 32, 3072, 50304, 1024),
     "5b": GPTConfig(24, 32, 4096, 50304, 1024),
+    "5.8b": GPTConfig(28, 32, 4096, 50304, 1024),
     "10b": GPTConfig(48, 32, 4096, 50304, 1024),
+    "11.5b": GPTConfig(56, 32, 4096, 50304, 1024),
     "13b": GPTConfig(40, 40, 5120, 50304, 1024),  # GPT-3's 13B
 }
 
