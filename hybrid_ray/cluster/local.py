@@ -23,8 +23,10 @@ _SWITCH = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
 @contextlib.contextmanager
-def _cluster_of_one() -> Iterator[None]:
+def cluster_of_one() -> Iterator[None]:
     """Ray believes it forms no cluster while the block runs; everything is put back after.
+    Nodes started inside it (ray.init, or ray.cluster_utils.Cluster's several raylets of one
+    machine) register on 127.0.0.1.
 
     Only the start needs it: once a session runs, Ray answers the node address from the session,
     and the processes it spawned keep the environment they were started with. Putting it back
@@ -45,5 +47,5 @@ def _cluster_of_one() -> Iterator[None]:
 
 def start_local(**init_kwargs) -> None:
     """ray.init() of a new one-node cluster whose node, workers and ports are on 127.0.0.1."""
-    with _cluster_of_one():
+    with cluster_of_one():
         ray.init(address="local", _node_ip_address=LOOPBACK, **init_kwargs)

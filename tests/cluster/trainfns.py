@@ -32,13 +32,15 @@ def _batch(step: int, rank: int, world: int):
 
 
 def train_mlp(ctx: WorkerContext, steps: int = 12, every: int = 2, stage: int = 2,
-              fault: dict | None = None, step_delay: float = 0.0):
+              fault: dict | None = None, step_delay: float = 0.0, hold_at: tuple = ()):
     """Train to `steps`, checkpoint every `every` steps, resume from the newest checkpoint.
 
     fault: {"generation": g, "rank": r, "step": s, "kind": "exit" | "freeze"} makes that rank
     exit its process or hang forever at step s of generation g (a lost or frozen worker);
     step "final" exits right after the last checkpoint. Each checkpoint is saved after the
-    driver has every record reported so far (ctx.flush_reports)."""
+    driver has every record reported so far (ctx.flush_reports). hold_at: (step, world size)
+    pairs: at that checkpoint step a group of another size waits for the driver to stop it (a
+    resize it must see), however slowly the machine brings a node up or notices one gone."""
     world = ctx.world_size
     cfg = {"train_batch_size": GLOBAL_BATCH, "train_micro_batch_size_per_gpu": GLOBAL_BATCH // world,
            "gradient_clipping": 1.0, "zero_optimization": {"stage": stage},
@@ -62,10 +64,19 @@ def train_mlp(ctx: WorkerContext, steps: int = 12, every: int = 2, stage: int = 
             engine.save_checkpoint(ckpt)
             if ctx.agree_to_stop():
                 raise StopTraining()
+            _hold(ctx, engine.global_steps, hold_at)
     _maybe_fault(ctx, "final", fault)
     state = {k: v.clone() for k, v in engine.consolidated_state_dict().items()}
     engine.close()
     return state
+
+
+def _hold(ctx: WorkerContext, step: int, hold_at: tuple) -> None:
+    for at, world in hold_at:
+        while step == at and ctx.world_size != world:
+            time.sleep(0.2)
+            if ctx.agree_to_stop():  # fails at once if a peer is lost meanwhile
+                raise StopTraining()
 
 
 def _maybe_fault(ctx: WorkerContext, step: int, fault) -> None:
